@@ -1,0 +1,60 @@
+# StarSD - one draft hub, many target verifiers.
+# `make demo` and `make test` do all set-up themselves on a fresh machine.
+
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; `pip install torch==2.13.0` takes the wheel this machine keeps on disk.
+# A system torch (e.g. JetPack's on a Jetson) is reused instead: the venv then sees site-packages.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+PYTEST_ARGS ?=
+
+.PHONY: venv install test test-fast lint demo models eval-models clean help
+
+help:
+	@echo "make demo        one hub + 3 targets on the default models, speedup vs standalone"
+	@echo "make test        install everything and run the whole test suite (CPU)"
+	@echo "make test-fast   unit and socket tests only (no multi-process end-to-end tests)"
+	@echo "make lint        ruff + mypy"
+	@echo "make models      re-train the default target/draft pair (~5 min on 2 cores)"
+	@echo "make eval-models re-measure the default pair into results/eval-models.json"
+
+$(BIN)/python:
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+		echo "venv: reusing the system torch ($$($(PY) -c 'import torch; print(torch.__version__)'))"; \
+		$(PY) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PY) -m venv $(VENV); \
+	fi
+
+$(STAMP): $(BIN)/python setup.cfg pyproject.toml
+	@$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[hub,edge,train,test,dev]"
+	@touch $(STAMP)
+
+venv install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check starsd edge scripts tests
+	$(BIN)/mypy
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+models: $(STAMP)
+	$(BIN)/python scripts/train_default_pair.py
+
+eval-models: $(STAMP)
+	$(BIN)/python scripts/eval_models.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

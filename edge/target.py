@@ -1,0 +1,306 @@
+"""A StarSD target verifier (p side), also the standalone baseline.
+
+    python -m edge.target --hub tcp://HOST:5555 --model DIR --prompt TEXT [--max-new-tokens N]
+    python -m edge.target --hub tcp://HOST:5555 --prompts IN.jsonl --out OUT.jsonl --concurrency K
+    python -m edge.target --standalone --prompt TEXT     # no hub: plain autoregressive decoding
+
+JSONL in: {"id": ..., "prompt": "...", "max_new_tokens": 32}; out: {"id", "prompt", "text",
+"token_ids" (generated ids only), "stats": {"rounds", "accepted", "mean_accepted",
+"tokens_per_s"}}. Each sequence verifies the hub's proposals in one target forward per round;
+its output is exactly what the target alone would produce (greedy: token for token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edge.client import HubClient, HubError, TargetInfo
+from edge.verifier import TargetSequence
+from starsd import models, protocol, sampling, transport
+from starsd.protocol import Error, Proposal, SamplingParams
+
+log = logging.getLogger("edge.target")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Everything ``python -m edge.target`` is told."""
+
+    model: str
+    hub: str = "tcp://127.0.0.1:5555"
+    prompt: str | None = None
+    prompts: str | None = None
+    out: str | None = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    gamma: int = 0  # 0 = the hub's default
+    concurrency: int = 1
+    standalone: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class Request:
+    """One line of the input JSONL (or the single --prompt)."""
+
+    id: Any
+    prompt: str
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """One line of the output JSONL."""
+
+    id: Any
+    prompt: str
+    text: str
+    token_ids: list[int]
+    stats: dict[str, float | int]
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, ensure_ascii=False)
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """The hub's seed for a sequence: derived, so q's draws never share a stream with p's."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"starsd-q:{seed}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+# ---------------------------------------------------------------------- decoding
+
+
+def generate_standalone(seq: TargetSequence) -> TargetSequence:
+    """The baseline: one target forward per token until EOS or the length limit."""
+    while not seq.done:
+        seq.step()
+    return seq
+
+
+async def generate_speculative(
+    client: HubClient, seq: TargetSequence, gamma: int, pool: ThreadPoolExecutor
+) -> TargetSequence:
+    """Decode ``seq`` with proposals from the hub; verification runs in ``pool``."""
+    if seq.done:
+        return seq
+    loop = asyncio.get_running_loop()
+    hub_params = replace(seq.params, seed=draft_seed(seq.params.seed))
+    tag, inbox = await client.open(seq.prompt, hub_params, gamma)
+    expected = 0
+    try:
+        while not seq.done:
+            proposal = await _next_proposal(inbox, expected)
+            drafts, q = _usable_draft(seq, proposal)
+            accepted, appended = await loop.run_in_executor(pool, seq.verify, drafts, q)
+            expected += 1
+            if not seq.done:
+                await client.draft(tag, expected, accepted, appended)
+    finally:
+        await client.close_session(tag)
+    return seq
+
+
+async def _next_proposal(inbox: asyncio.Queue[protocol.Message], expected: int) -> Proposal:
+    while True:
+        msg = await inbox.get()
+        if isinstance(msg, Error):
+            raise HubError(msg.code, msg.message)
+        if isinstance(msg, Proposal) and msg.seq == expected:
+            return msg
+        log.warning("ignored stale %s (seq %s, expected %d)", type(msg).__name__,
+                    getattr(msg, "seq", None), expected)  # fmt: skip
+
+
+def _usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], torch.Tensor | None]:
+    """Draft tokens worth verifying (never past max_new_tokens or the context) and dense q."""
+    room = seq.max_new_tokens - len(seq.generated) - 1
+    if seq.target.max_positions is not None:
+        room = min(room, seq.target.max_positions - seq.committed)
+    n = max(0, min(len(proposal.tokens), room))
+    drafts = [int(t) for t in proposal.tokens[:n]]
+    if seq.params.greedy:
+        return drafts, None
+    if proposal.q_probs is None:
+        raise HubError(protocol.ErrorCode.MALFORMED, "sampled proposal without q probabilities")
+    q_probs = torch.from_numpy(proposal.q_probs[:n].astype("float32"))
+    support = None if proposal.q_support is None else torch.from_numpy(
+        proposal.q_support[:n].astype("int64"))  # fmt: skip
+    return drafts, sampling.dense_q(q_probs, support, seq.target.vocab_size)
+
+
+# ---------------------------------------------------------------------- requests
+
+
+def load_requests(config: TargetConfig) -> list[Request]:
+    """The --prompt or the --prompts JSONL as requests."""
+    if config.prompt is not None:
+        return [Request(0, config.prompt, config.max_new_tokens)]
+    assert config.prompts is not None
+    requests = []
+    for line_no, line in enumerate(Path(config.prompts).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{config.prompts}:{line_no}: needs a string 'prompt'")
+        max_new = int(row.get("max_new_tokens", config.max_new_tokens))
+        requests.append(Request(row.get("id", line_no - 1), row["prompt"], max_new))
+    return requests
+
+
+def new_sequence(
+    target: models.LoadedModel, config: TargetConfig, request: Request, index: int
+) -> TargetSequence:
+    """A fresh sequence for ``request``; seeds differ per request but not per run."""
+    params = SamplingParams(config.temperature, config.top_k, config.top_p, config.seed + index)
+    prompt = models.encode_text(target, request.prompt)
+    return TargetSequence(target, prompt, params, request.max_new_tokens)
+
+
+def to_result(target: models.LoadedModel, request: Request, seq: TargetSequence) -> Result:
+    stats = seq.stats.as_dict(len(seq.generated))
+    text = models.decode_ids(target, seq.generated)
+    return Result(request.id, request.prompt, text, list(seq.generated), stats)
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+async def run_with_hub(
+    config: TargetConfig, target: models.LoadedModel, requests: list[Request]
+) -> list[Result]:
+    """Connect, run every request with ``concurrency`` sequences in flight, disconnect."""
+    ctx = transport.new_context()
+    info = TargetInfo(target.name, target.vocab_size, target.tokenizer_fingerprint)
+    client = HubClient(ctx, config.hub, info)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+    limit = asyncio.Semaphore(config.concurrency)
+
+    async def one(index: int, request: Request) -> Result:
+        async with limit:
+            seq = new_sequence(target, config, request, index)
+            await generate_speculative(client, seq, config.gamma, pool)
+            _log_sequence(request, seq)
+            return to_result(target, request, seq)
+
+    try:
+        await client.connect()
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+    finally:
+        await client.aclose()
+        pool.shutdown()
+        ctx.term()
+
+
+def run_standalone(
+    config: TargetConfig, target: models.LoadedModel, requests: list[Request]
+) -> list[Result]:
+    """The baseline over every request, one after another."""
+    results = []
+    for index, request in enumerate(requests):
+        seq = generate_standalone(new_sequence(target, config, request, index))
+        _log_sequence(request, seq)
+        results.append(to_result(target, request, seq))
+    return results
+
+
+def _log_sequence(request: Request, seq: TargetSequence) -> None:
+    s = seq.stats.as_dict(len(seq.generated))
+    log.info("sequence %s: %d tokens, %d rounds, mean_accepted %.2f, %.1f tok/s", request.id,
+             len(seq.generated), s["rounds"], s["mean_accepted"], s["tokens_per_s"])  # fmt: skip
+
+
+def _log_summary(results: list[Result], wall: float) -> None:
+    tokens = sum(len(r.token_ids) for r in results)
+    rounds = sum(int(r.stats["rounds"]) for r in results)
+    accepted = sum(int(r.stats["accepted"]) for r in results)
+    log.info("done: %d sequences, %d tokens in %.2f s (%.1f tok/s), mean_accepted %.2f",
+             len(results), tokens, wall, tokens / max(wall, 1e-9),
+             accepted / rounds if rounds else 0.0)  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> TargetConfig:
+    """argparse -> TargetConfig."""
+    p = argparse.ArgumentParser(prog="python -m edge.target", description=__doc__.split("\n")[0])
+    p.add_argument("--hub", default=TargetConfig.hub, help="hub endpoint, tcp://HOST:PORT")
+    p.add_argument("--model", default=str(models.DEFAULT_TARGET_DIR), help="target model dir")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt; its completion is printed")
+    source.add_argument("--prompts", help="JSONL file of requests")
+    p.add_argument("--out", help="JSONL results (default: stdout)")
+    p.add_argument("--max-new-tokens", type=int, default=TargetConfig.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=TargetConfig.temperature)
+    p.add_argument("--top-k", type=int, default=TargetConfig.top_k)
+    p.add_argument("--top-p", type=float, default=TargetConfig.top_p)
+    p.add_argument("--seed", type=int, default=TargetConfig.seed)
+    p.add_argument("--gamma", type=int, default=TargetConfig.gamma, help="0: hub's default")
+    p.add_argument("--concurrency", type=int, default=TargetConfig.concurrency)
+    p.add_argument("--standalone", action="store_true", help="no hub: the baseline")
+    p.add_argument("--device", default=TargetConfig.device)
+    p.add_argument("--dtype", default=TargetConfig.dtype, choices=sorted(models.DTYPES))
+    p.add_argument("--threads", type=int, default=TargetConfig.threads, help="torch threads")
+    config = TargetConfig(**vars(p.parse_args(argv)))
+    try:
+        SamplingParams(config.temperature, config.top_k, config.top_p, config.seed).validate()
+    except protocol.ProtocolError as exc:
+        p.error(exc.message)
+    if config.concurrency < 1:
+        p.error("--concurrency must be >= 1")
+    return config
+
+
+def write_results(config: TargetConfig, results: list[Result]) -> None:
+    """JSONL to --out; a single --prompt without --out prints just its text."""
+    if config.out:
+        Path(config.out).write_text("".join(r.to_json() + "\n" for r in results))
+    elif config.prompt is not None:
+        print(results[0].text)
+    else:
+        sys.stdout.write("".join(r.to_json() + "\n" for r in results))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m edge.target``; returns the exit code."""
+    logging.basicConfig(level=os.environ.get("STARSD_LOG", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    config = parse_args(argv)
+    torch.set_num_threads(config.threads)
+    target = models.load_causal_lm(config.model, config.device, config.dtype)
+    requests = load_requests(config)
+    started = time.perf_counter()
+    try:
+        if config.standalone:
+            results = run_standalone(config, target, requests)
+        else:
+            results = transport.run_loop(run_with_hub(config, target, requests))
+    except HubError as exc:
+        log.error("%s", exc)
+        return 2
+    _log_summary(results, time.perf_counter() - started)
+    write_results(config, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

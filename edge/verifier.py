@@ -1,0 +1,135 @@
+"""Target-side state of one sequence (p side): verification, commit, KV rollback, stopping.
+
+Invariant: the KV cache holds every committed token except the last one, ``last``, whose logits
+are computed by the next forward. Verification therefore feeds ``[last, d_1 .. d_gamma]`` in ONE
+target forward and reads gamma + 1 distributions from it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from starsd import models, sampling
+from starsd.protocol import SamplingParams
+
+
+@dataclass
+class SequenceStats:
+    """What the JSONL output reports per sequence."""
+
+    rounds: int = 0
+    accepted: int = 0
+    proposed: int = 0
+    target_forwards: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    finished: float = 0.0
+
+    def as_dict(self, generated: int) -> dict[str, float | int]:
+        wall = max((self.finished or time.perf_counter()) - self.started, 1e-9)
+        return {
+            "rounds": self.rounds,
+            "accepted": self.accepted,
+            "mean_accepted": round(self.accepted / self.rounds, 4) if self.rounds else 0.0,
+            "tokens_per_s": round(generated / wall, 3),
+        }
+
+
+class TargetSequence:
+    """One sequence on the target: committed tokens, KV cache, sampler, stop conditions."""
+
+    def __init__(
+        self,
+        target: models.LoadedModel,
+        prompt: list[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+    ) -> None:
+        if not prompt:
+            raise ValueError("the prompt must have at least one token")
+        self.target = target
+        self.prompt = list(prompt)
+        self.params = params
+        self.max_new_tokens = max_new_tokens
+        self.generator = sampling.make_generator(params.seed)
+        self.generated: list[int] = []
+        self.done = max_new_tokens <= 0
+        self.stats = SequenceStats()
+        self.cache: Any = models.new_cache(target)
+        if len(prompt) > 1:
+            models.forward(target, prompt[:-1], self.cache)  # prefill all but the last token
+
+    @property
+    def last(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
+    @property
+    def committed(self) -> int:
+        """Number of committed tokens (prompt + generated)."""
+        return len(self.prompt) + len(self.generated)
+
+    def step(self) -> int:
+        """Standalone decoding: one target forward, one token (the baseline)."""
+        logits = self._forward([self.last])[-1]  # [V]
+        token = sampling.next_token(logits, self.params, self.generator)
+        self._commit([token])
+        return token
+
+    def verify(
+        self, draft_tokens: list[int], q_probs: torch.Tensor | None
+    ) -> tuple[int, list[int]]:
+        """Verify a proposal in one forward; commit the result.
+
+        ``q_probs`` is the draft distribution [gamma, V] (None when greedy). Returns (accepted,
+        appended): how many draft tokens were kept and the target's own token after them.
+        """
+        gamma = len(draft_tokens)
+        cached = self.committed - 1
+        logits = self._forward([self.last, *draft_tokens])  # [gamma + 1, V]
+        accepted, token = self._judge(draft_tokens, q_probs, logits)
+        models.crop_cache(self.cache, cached + 1 + accepted)  # keep last + accepted drafts
+        self.stats.rounds += 1
+        self.stats.proposed += gamma
+        self.stats.accepted += accepted
+        self._commit([*draft_tokens[:accepted], token])
+        return accepted, [token]
+
+    def _judge(
+        self, draft_tokens: list[int], q_probs: torch.Tensor | None, p_logits: torch.Tensor
+    ) -> tuple[int, int]:
+        drafts = torch.tensor(draft_tokens, dtype=torch.long)  # [gamma]
+        if self.params.greedy:
+            return sampling.greedy_verify(drafts, p_logits)
+        if q_probs is None:
+            raise ValueError("a sampled sequence needs the draft probabilities")
+        p = sampling.probs_from_logits(p_logits, self.params)  # [gamma + 1, V]
+        accepted, token = sampling.rejection_sample(
+            drafts[None], q_probs[None], p[None], self.generator
+        )
+        return int(accepted[0]), int(token[0])
+
+    def _forward(self, token_ids: list[int]) -> torch.Tensor:
+        self.stats.target_forwards += 1
+        return models.forward(self.target, token_ids, self.cache)
+
+    def _commit(self, tokens: list[int]) -> None:
+        # Stop exactly where the target alone would: at the first EOS (kept) or the length limit.
+        for token in tokens:
+            self.generated.append(token)
+            if token in self.target.eos_token_ids or len(self.generated) >= self.max_new_tokens:
+                self._finish()
+                return
+
+    def _finish(self) -> None:
+        self.done = True
+        self.stats.finished = time.perf_counter()
+        self.cache = None  # free the KV cache as soon as the sequence ends
+
+
+def fits_context(seq: TargetSequence, gamma: int) -> bool:
+    """Whether verifying ``gamma`` more tokens stays inside the target's position limit."""
+    limit = seq.target.max_positions
+    return limit is None or seq.committed + gamma <= limit

@@ -1,0 +1,126 @@
+"""Model loading and the few model calls StarSD makes; the only module that imports transformers.
+
+Any transformers causal-LM directory (or hub id, where the machine is online) loads through
+:func:`load_causal_lm`, on the hub (draft, q) and on the target (p) alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TARGET_DIR = _REPO_ROOT / "models" / "starsd-target"
+DEFAULT_DRAFT_DIR = _REPO_ROOT / "models" / "starsd-draft"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for cached forwards, with what the handshake needs to know about it."""
+
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers tokenizer
+    name: str
+    vocab_size: int  # width of the logits
+    tokenizer_fingerprint: str
+    eos_token_ids: frozenset[int]
+    max_positions: int | None
+    device: torch.device
+
+
+def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """Load a causal LM and its tokenizer from a directory (or hub id) for inference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    model.to(device).eval()
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=Path(str(path)).name or str(path),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        eos_token_ids=_eos_ids(model, tokenizer),
+        max_positions=_max_positions(model.config),
+        device=torch.device(device),
+    )
+    log.info(
+        "loaded %s: %.2fM params, vocab %d, %s on %s, tokenizer %s",
+        loaded.name, sum(p.numel() for p in model.parameters()) / 1e6, loaded.vocab_size,
+        dtype, device, loaded.tokenizer_fingerprint,
+    )  # fmt: skip
+    return loaded
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash of the vocabulary and special tokens: equal iff ids mean the same text."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(str(t) for t in tokenizer.all_special_tokens)
+    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _max_positions(config: Any) -> int | None:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def new_cache(loaded: LoadedModel) -> Any:
+    """An empty KV cache for one sequence."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=loaded.model.config)
+
+
+def cache_length(cache: Any) -> int:
+    """Number of positions held in ``cache``."""
+    return int(cache.get_seq_length())
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Roll ``cache`` back so it holds exactly the first ``length`` positions."""
+    extra = cache_length(cache) - length
+    if extra > 0:
+        cache.crop(-extra)  # transformers 5.x: a negative count removes that many positions
+
+
+@torch.inference_mode()
+def forward(loaded: LoadedModel, token_ids: list[int], cache: Any) -> torch.Tensor:
+    """Feed ``token_ids`` after the cached prefix; returns logits [len(token_ids), V] float32 CPU."""
+    ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, n]
+    out = loaded.model(input_ids=ids, cache=cache, use_cache=True)
+    return out.logits[0].float().cpu()
+
+
+def encode_text(loaded: LoadedModel, text: str) -> list[int]:
+    """Token ids of a prompt (with the tokenizer's own special-token convention)."""
+    return list(loaded.tokenizer(text)["input_ids"])
+
+
+def decode_ids(loaded: LoadedModel, ids: list[int]) -> str:
+    """Text of generated token ids, special tokens dropped."""
+    return str(loaded.tokenizer.decode(ids, skip_special_tokens=True))

@@ -1,0 +1,419 @@
+"""StarSD wire protocol: typed, versioned messages; pure encode/decode, no transport.
+
+A message is a list of frames. Frame 0 is the header: one version byte, one type byte, then a
+msgpack map (the body). Arrays never go inside msgpack: each travels as its own raw frame
+(C-contiguous bytes), described in the body under ``"arrays"`` as ``[name, dtype, shape]`` in
+frame order. Decoding is hardened: frame sizes, msgpack container limits, a schema per message
+type, allowed dtypes, and ``len(frame) == prod(shape) * itemsize`` are all checked before any
+array is built, and every array view is read-only and zero-copy over the received buffer.
+
+This module imports only msgpack and numpy, so any tool can speak the protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeAlias
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+TAG_BYTES = 16  # 128 random bits, minted by the hub
+MAX_HEADER_BYTES = 64 * 1024
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # one array frame (a dense [gamma, V] float32 fits easily)
+MAX_FRAMES = 8
+MAX_ARRAY_ELEMENTS = MAX_FRAME_BYTES
+ALLOWED_DTYPES = frozenset({"int32", "int64", "float16", "float32"})
+_UNPACK_LIMITS = {
+    "max_str_len": 4096,
+    "max_bin_len": 1024,
+    "max_array_len": 64,
+    "max_map_len": 32,
+    "max_ext_len": 0,
+}
+
+
+class ErrorCode:
+    """Error codes carried by :class:`Error` (strings, so logs and clients read them as-is)."""
+
+    MALFORMED = "MALFORMED"
+    VERSION_MISMATCH = "VERSION_MISMATCH"
+    TOO_LARGE = "TOO_LARGE"
+    INCOMPATIBLE = "INCOMPATIBLE"
+    NOT_WELCOMED = "NOT_WELCOMED"
+    UNKNOWN_SESSION = "UNKNOWN_SESSION"
+    FORBIDDEN = "FORBIDDEN"
+    OUT_OF_ORDER = "OUT_OF_ORDER"
+    BUSY = "BUSY"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    CONTEXT_FULL = "CONTEXT_FULL"
+    UNEXPECTED = "UNEXPECTED"
+    INTERNAL = "INTERNAL"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+
+
+class ProtocolError(Exception):
+    """A frame or message that cannot be accepted; ``code`` is an :class:`ErrorCode` value."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling semantics shared by draft (q) and target (p); temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def truncated(self) -> bool:
+        """True when top-k or top-p shrink the support, so q can travel as (support, probs)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    def validate(self) -> None:
+        """Raise ProtocolError(INVALID_ARGUMENT) for values no sampler can honour."""
+        ok = (
+            math.isfinite(self.temperature)
+            and 0.0 <= self.temperature <= 100.0
+            and 0 <= self.top_k <= 1 << 20
+            and 0.0 < self.top_p <= 1.0
+            and (self.seed is None or 0 <= self.seed < 1 << 63)
+        )
+        if not ok:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"bad sampling parameters {self}")
+
+
+# ---------------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Target -> hub, first message on a connection: what the target runs."""
+
+    TYPE: ClassVar[int] = 1
+    model: str
+    vocab_size: int
+    tokenizer: str  # tokenizer fingerprint (see starsd.models.tokenizer_fingerprint)
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Hub -> target: the hub accepted HELLO; what it serves and its limits."""
+
+    TYPE: ClassVar[int] = 2
+    model: str
+    vocab_size: int
+    tokenizer: str
+    epoch: bytes  # random per hub process: a new epoch means the hub restarted
+    default_gamma: int
+    max_gamma: int
+    draft_kind: str = "llm"
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Open:
+    """Target -> hub: start a session for one sequence; ``ref`` is the target's own handle."""
+
+    TYPE: ClassVar[int] = 3
+    ref: int
+    prompt: np.ndarray = field(repr=False)  # [n_prompt] int32 token ids
+    sampling: SamplingParams
+    gamma: int
+
+
+@dataclass(frozen=True)
+class Opened:
+    """Hub -> target: the session tag minted for OPEN ``ref``; PROPOSAL seq 0 follows."""
+
+    TYPE: ClassVar[int] = 4
+    ref: int
+    tag: bytes
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Target -> hub: verdict on proposal ``seq - 1`` and request for proposal ``seq``.
+
+    ``accepted`` draft tokens of the previous proposal were kept, then ``appended`` tokens
+    (the corrected or bonus token) were committed after them.
+    """
+
+    TYPE: ClassVar[int] = 5
+    tag: bytes
+    seq: int
+    accepted: int
+    appended: np.ndarray = field(repr=False)  # [n_appended] int32
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Hub -> target: gamma draft tokens and what the target needs to verify them.
+
+    Greedy: no probabilities. Truncated sampling (top-k/top-p): ``q_support`` [gamma, K] int32
+    token ids with ``q_probs`` [gamma, K] float32 (zero-padded). Otherwise dense ``q_probs``
+    [gamma, V] float32.
+    """
+
+    TYPE: ClassVar[int] = 6
+    tag: bytes
+    seq: int
+    tokens: np.ndarray = field(repr=False)  # [gamma] int32
+    q_probs: np.ndarray | None = field(default=None, repr=False)
+    q_support: np.ndarray | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class Close:
+    """Target -> hub: the sequence is finished; free its draft state."""
+
+    TYPE: ClassVar[int] = 7
+    tag: bytes
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Liveness probe, either direction; answered by PONG with the same nonce."""
+
+    TYPE: ClassVar[int] = 8
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    TYPE: ClassVar[int] = 9
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Error:
+    """Either direction: ``code`` (ErrorCode) and a human message; ref/tag/seq say what failed."""
+
+    TYPE: ClassVar[int] = 10
+    code: str
+    message: str
+    ref: int | None = None
+    tag: bytes | None = None
+    seq: int | None = None
+
+
+Message: TypeAlias = Hello | Welcome | Open | Opened | Draft | Proposal | Close | Ping | Pong | Error
+MESSAGE_TYPES: dict[int, type] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Open, Opened, Draft, Proposal, Close, Ping, Pong, Error)
+}
+
+# Schema: for every field, the accepted python types after msgpack decoding. Array fields are
+# listed separately with their allowed dtypes and rank.
+_INT = (int,)
+_OPT_INT = (int, type(None))
+_SCHEMAS: dict[type, dict[str, tuple[type, ...]]] = {
+    Hello: {"model": (str,), "vocab_size": _INT, "tokenizer": (str,), "version": _INT},
+    Welcome: {
+        "model": (str,), "vocab_size": _INT, "tokenizer": (str,), "epoch": (bytes,),
+        "default_gamma": _INT, "max_gamma": _INT, "draft_kind": (str,), "version": _INT,
+    },
+    Open: {"ref": _INT, "sampling": (dict,), "gamma": _INT},
+    Opened: {"ref": _INT, "tag": (bytes,)},
+    Draft: {"tag": (bytes,), "seq": _INT, "accepted": _INT},
+    Proposal: {"tag": (bytes,), "seq": _INT},
+    Close: {"tag": (bytes,)},
+    Ping: {"nonce": _INT},
+    Pong: {"nonce": _INT},
+    Error: {
+        "code": (str,), "message": (str,), "ref": _OPT_INT,
+        "tag": (bytes, type(None)), "seq": _OPT_INT,
+    },
+}  # fmt: skip
+_ARRAYS: dict[type, dict[str, tuple[frozenset[str], int, bool]]] = {
+    # name: (dtypes, rank, required)
+    Open: {"prompt": (frozenset({"int32", "int64"}), 1, True)},
+    Draft: {"appended": (frozenset({"int32", "int64"}), 1, True)},
+    Proposal: {
+        "tokens": (frozenset({"int32", "int64"}), 1, True),
+        "q_probs": (frozenset({"float32", "float16"}), 2, False),
+        "q_support": (frozenset({"int32", "int64"}), 2, False),
+    },
+}
+_SAMPLING_SCHEMA = {
+    "temperature": (float, int), "top_k": _INT, "top_p": (float, int), "seed": _OPT_INT,
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- encode
+
+
+def encode(msg: Message) -> list[bytes | memoryview]:
+    """Serialise a message into frames: header (version, type, msgpack body) + array frames."""
+    body: dict[str, Any] = {}
+    arrays: list[list[Any]] = []
+    frames: list[bytes | memoryview] = []
+    array_fields = _ARRAYS.get(type(msg), {})
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if f.name in array_fields:
+            if value is not None:
+                arr = np.ascontiguousarray(value)
+                arrays.append([f.name, arr.dtype.name, list(arr.shape)])
+                frames.append(memoryview(arr).cast("B"))
+        elif isinstance(value, SamplingParams):
+            body[f.name] = dataclasses.asdict(value)
+        else:
+            body[f.name] = value
+    if arrays:
+        body["arrays"] = arrays
+    header = bytes((PROTOCOL_VERSION, msg.TYPE)) + msgpack.packb(body, use_bin_type=True)
+    return [header, *frames]
+
+
+# ---------------------------------------------------------------------------------- decode
+
+
+def decode(frames: Sequence[bytes | memoryview]) -> Message:
+    """Parse frames into a message, raising ProtocolError for anything malformed."""
+    if not frames:
+        raise ProtocolError(ErrorCode.MALFORMED, "empty message")
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(frames)} frames (max {MAX_FRAMES})")
+    header = memoryview(frames[0])
+    cls = _header_type(header)
+    body = _unpack_body(header[2:])
+    arrays = _decode_arrays(cls, body.pop("arrays", None), frames[1:])
+    kwargs = _check_fields(cls, body)
+    if "sampling" in kwargs:
+        kwargs["sampling"] = _sampling(kwargs["sampling"])
+    return cls(**kwargs, **arrays)  # type: ignore[no-any-return]
+
+
+def _header_type(header: memoryview) -> type:
+    if len(header) < 3:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header of {len(header)} bytes is truncated")
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header {len(header)} B > {MAX_HEADER_BYTES} B")
+    if header[0] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.VERSION_MISMATCH,
+            f"protocol version {header[0]} is not supported (this side speaks {PROTOCOL_VERSION})",
+        )
+    cls = MESSAGE_TYPES.get(header[1])
+    if cls is None:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown message type {header[1]}")
+    return cls
+
+
+def _unpack_body(raw: memoryview) -> dict[str, Any]:
+    try:
+        body = msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"body is not valid msgpack: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, "body is not a map")
+    return body
+
+
+def _check_fields(cls: type, body: dict[str, Any]) -> dict[str, Any]:
+    schema = _SCHEMAS[cls]
+    unknown = set(body) - set(schema)
+    if unknown:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    defaults = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    for name, types in schema.items():
+        if name not in body:
+            if name in defaults:
+                continue
+            raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: missing field {name!r}")
+        _check_type(cls.__name__, name, body[name], types)
+    return body
+
+
+def _check_type(where: str, name: str, value: Any, types: tuple[type, ...]) -> None:
+    # bool is an int subclass in Python; a bool where a count is expected is a schema error.
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"{where}.{name}: {type(value).__name__} is not the expected type"
+        )
+    if isinstance(value, int) and not -(1 << 63) <= value < 1 << 63:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{where}.{name}: integer out of range")
+
+
+def _sampling(raw: dict[str, Any]) -> SamplingParams:
+    unknown = set(raw) - set(_SAMPLING_SCHEMA)
+    if unknown:
+        raise ProtocolError(ErrorCode.MALFORMED, f"sampling: unknown fields {sorted(unknown)}")
+    for name, types in _SAMPLING_SCHEMA.items():
+        if name in raw:
+            _check_type("sampling", name, raw[name], types)
+    params = SamplingParams(**raw)
+    params.validate()
+    return params
+
+
+def _decode_arrays(
+    cls: type, described: Any, frames: Sequence[bytes | memoryview]
+) -> dict[str, np.ndarray]:
+    spec = _ARRAYS.get(cls, {})
+    described = [] if described is None else described
+    if not isinstance(described, list) or len(described) != len(frames):
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"{cls.__name__}: array descriptors do not match the frames"
+        )
+    out: dict[str, np.ndarray] = {}
+    for desc, frame in zip(described, frames, strict=True):
+        name, arr = _decode_array(cls.__name__, spec, desc, frame)
+        if name in out:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: array {name!r} repeated")
+        out[name] = arr
+    missing = [n for n, (_, _, required) in spec.items() if required and n not in out]
+    if missing:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: missing arrays {missing}")
+    return out
+
+
+def _decode_array(
+    where: str, spec: dict[str, tuple[frozenset[str], int, bool]], desc: Any, frame: Any
+) -> tuple[str, np.ndarray]:
+    if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], str)):
+        raise ProtocolError(ErrorCode.MALFORMED, f"{where}: bad array descriptor")
+    name, dtype, shape = desc
+    if name not in spec:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{where}: unexpected array {name!r}")
+    dtypes, rank, _ = spec[name]
+    if dtype not in dtypes or dtype not in ALLOWED_DTYPES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{where}.{name}: dtype {dtype!r} not allowed")
+    if not _valid_shape(shape, rank):
+        raise ProtocolError(ErrorCode.MALFORMED, f"{where}.{name}: bad shape {shape!r}")
+    buf = memoryview(frame)
+    count = math.prod(shape)
+    if count > MAX_ARRAY_ELEMENTS or len(buf) > MAX_FRAME_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{where}.{name}: array too large")
+    expected = count * np.dtype(dtype).itemsize
+    if len(buf) != expected:
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"{where}.{name}: {len(buf)} bytes, shape needs {expected}"
+        )
+    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    arr.flags.writeable = False
+    return name, arr
+
+
+def _valid_shape(shape: Any, rank: int) -> bool:
+    return (
+        isinstance(shape, list)
+        and len(shape) == rank
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 31 for d in shape)
+    )

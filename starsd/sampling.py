@@ -1,0 +1,132 @@
+"""Sampling and lossless verification, pure torch, shared by the hub (q) and the edge (p).
+
+Terms: p is the target's distribution, q the draft's; gamma draft tokens are verified with
+gamma + 1 target positions (the last one gives the bonus token). Logit processing follows
+transformers' logits warpers exactly (temperature, then top-k, then top-p), so both sides and a
+plain ``generate()`` agree on what "the target's distribution" is.
+
+Verification is Leviathan et al. / Chen et al. speculative sampling: draft token d_i is accepted
+with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the replacement is drawn from
+the residual norm(max(p_i - q_i, 0)); when all gamma are accepted a bonus token is drawn from
+p_{gamma+1}. The emitted tokens are then distributed exactly as sampling from p alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from starsd.protocol import SamplingParams
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator seeded with ``seed`` (or from OS entropy when None)."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k and top-p to ``logits`` [..., V]; removed entries become -inf."""
+    scores = logits.float() / params.temperature
+    if params.top_k > 0:
+        k = min(params.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]  # [..., 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= 1.0 - params.top_p
+        remove_sorted[..., -1] = False  # keep at least one token, like min_tokens_to_keep=1
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sampling distribution [..., V] float32 for non-greedy ``params``."""
+    return process_logits(logits, params).softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of ``probs`` [B, V] -> token ids [B] (int64)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Greedy argmax or one sample from the processed distribution of ``logits`` [V]."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return int(sample(probs_from_logits(logits[None], params), generator)[0])
+
+
+def greedy_verify(draft_tokens: torch.Tensor, p_logits: torch.Tensor) -> tuple[int, int]:
+    """Greedy verification of ``draft_tokens`` [gamma] against ``p_logits`` [gamma + 1, V].
+
+    Returns (accepted count, next token): the target's argmax at the first disagreement, or the
+    bonus argmax after all gamma are accepted.
+    """
+    p_argmax = torch.argmax(p_logits, dim=-1)  # [gamma + 1]
+    gamma = draft_tokens.shape[0]
+    mismatch = (p_argmax[:gamma] != draft_tokens).nonzero()
+    accepted = int(mismatch[0, 0]) if mismatch.numel() else gamma
+    return accepted, int(p_argmax[accepted])
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)) over the last dim; falls back to p where the residual is empty."""
+    residual = (p - q).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    q_probs: torch.Tensor,
+    p_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched speculative sampling.
+
+    draft_tokens [B, gamma] int64, q_probs [B, gamma, V], p_probs [B, gamma + 1, V].
+    Returns (accepted [B] int64 in 0..gamma, next_token [B] int64): the first ``accepted[b]``
+    draft tokens are kept and ``next_token[b]`` follows them (residual sample or bonus).
+    """
+    batch, gamma = draft_tokens.shape
+    idx = draft_tokens.unsqueeze(-1)  # [B, gamma, 1]
+    p_d = p_probs[:, :gamma].gather(-1, idx).squeeze(-1)  # [B, gamma]
+    q_d = q_probs.gather(-1, idx).squeeze(-1)  # [B, gamma]
+    u = torch.rand(batch, gamma, generator=generator, device=p_probs.device)
+    ok = u * q_d < p_d  # u < p/q without dividing by a tiny q; a q_d of 0 is never accepted
+    # accepted = length of the all-true prefix of ok
+    accepted = ok.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+    rows = torch.arange(batch, device=p_probs.device)
+    at = accepted.clamp_max(gamma - 1) if gamma > 0 else accepted
+    q_padded = torch.cat([q_probs, torch.zeros_like(p_probs[:, :1])], dim=1)  # [B, gamma+1, V]
+    replacement = residual_distribution(p_probs[rows, at], q_padded[rows, at])  # [B, V]
+    bonus = p_probs[rows, accepted]  # [B, V]
+    final = torch.where((accepted == gamma).unsqueeze(-1), bonus, replacement)
+    return accepted, sample(final, generator)
+
+
+def dense_q(
+    q_probs: torch.Tensor, q_support: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor:
+    """Expand q sent as (support [gamma, K], probs [gamma, K]) to dense [gamma, V] float32."""
+    if q_support is None:
+        return q_probs.float()
+    dense = torch.zeros(q_probs.shape[0], vocab_size, dtype=torch.float32)
+    dense.scatter_add_(-1, q_support.long(), q_probs.float())
+    return dense
+
+
+def sparse_q(q_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress q [gamma, V] with truncated support to (support [gamma, K] int32, probs [gamma, K]).
+
+    K is the largest support of any row; shorter rows are padded with token 0 at probability 0.
+    """
+    k = max(int((q_probs > 0).sum(dim=-1).max()), 1)
+    probs, support = torch.topk(q_probs, k, dim=-1)  # [gamma, K]
+    return support.to(torch.int32), probs.float()

@@ -1,0 +1,68 @@
+"""Per-target and hub-wide counters, and the log lines that report them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TargetStats:
+    """Counters for one target connection."""
+
+    name: str
+    sessions: int = 0
+    rounds: int = 0  # verdicts received (one per verified proposal)
+    proposed: int = 0  # draft tokens in those proposals
+    accepted: int = 0  # of which the target accepted
+    queue_wait_s: float = 0.0  # summed time jobs waited in Q_in before drafting started
+    jobs: int = 0
+    errors: int = 0
+
+    def record_verdict(self, proposed: int, accepted: int) -> None:
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted draft tokens per round (the target adds one more token itself)."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_queue_wait_ms(self) -> float:
+        return 1000.0 * self.queue_wait_s / self.jobs if self.jobs else 0.0
+
+    def line(self) -> str:
+        return (
+            f"target {self.name}: sessions={self.sessions} rounds={self.rounds} "
+            f"mean_accepted={self.mean_accepted:.2f} acceptance={self.acceptance_rate:.3f} "
+            f"queue_wait_ms={self.mean_queue_wait_ms:.2f} errors={self.errors}"
+        )
+
+
+@dataclass
+class HubStats:
+    """Hub-wide figures: drafting busy time against wall time since start."""
+
+    started: float = field(default_factory=time.perf_counter)
+    busy_s: float = 0.0
+    batches: int = 0
+    jobs: int = 0
+    messages: int = 0
+    errors_sent: int = 0
+
+    def busy_fraction(self) -> float:
+        wall = time.perf_counter() - self.started
+        return self.busy_s / wall if wall > 0 else 0.0
+
+    def line(self, sessions: int, targets: int) -> str:
+        return (
+            f"hub: targets={targets} sessions={sessions} jobs={self.jobs} "
+            f"batches={self.batches} draft_busy={self.busy_fraction():.3f} "
+            f"messages={self.messages} errors_sent={self.errors_sent}"
+        )

@@ -1,0 +1,164 @@
+"""Wire protocol: round trips and hardened decoding (pure, no sockets)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+
+from starsd import protocol
+from starsd.protocol import (
+    Close,
+    Draft,
+    Error,
+    ErrorCode,
+    Hello,
+    Open,
+    Opened,
+    Ping,
+    Pong,
+    Proposal,
+    ProtocolError,
+    SamplingParams,
+    Welcome,
+    decode,
+    encode,
+)
+
+TAG = bytes(range(16))
+
+
+def _frames(msg: protocol.Message) -> list[bytes]:
+    return [bytes(f) for f in encode(msg)]
+
+
+def _equal(a: protocol.Message, b: protocol.Message) -> bool:
+    if type(a) is not type(b):
+        return False
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):
+                return False
+            if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+MESSAGES = [
+    Hello("target-7b", 32000, "abc123"),
+    Welcome("draft", 32000, "abc123", b"\x01" * 8, 4, 16),
+    Open(3, np.arange(5, dtype=np.int32), SamplingParams(0.7, 50, 0.9, 42), 4),
+    Open(4, np.arange(1, dtype=np.int64), SamplingParams(), 0),
+    Opened(3, TAG),
+    Draft(TAG, 2, 3, np.array([17], dtype=np.int32)),
+    Draft(TAG, 5, 0, np.zeros(0, dtype=np.int32)),
+    Proposal(TAG, 0, np.array([1, 2, 3, 4], dtype=np.int32)),
+    Proposal(TAG, 1, np.array([1, 2], dtype=np.int32), np.full((2, 10), 0.1, dtype=np.float32)),
+    Proposal(
+        TAG, 2, np.array([1, 2], dtype=np.int32),
+        np.array([[0.6, 0.4], [1.0, 0.0]], dtype=np.float32),
+        np.array([[1, 7], [2, 0]], dtype=np.int32),
+    ),
+    Close(TAG),
+    Ping(7),
+    Pong(7),
+    Error(ErrorCode.FORBIDDEN, "not yours", tag=TAG, seq=3),
+    Error(ErrorCode.MALFORMED, "bad"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: protocol.Message) -> None:
+    assert _equal(decode(_frames(msg)), msg)
+
+
+def test_arrays_travel_as_raw_frames_zero_copy() -> None:
+    q = np.random.default_rng(0).random((4, 1000), dtype=np.float32)
+    frames = _frames(Proposal(TAG, 0, np.arange(4, dtype=np.int32), q))
+    assert len(frames) == 3 and len(frames[2]) == q.nbytes
+    buffers = [memoryview(bytearray(f)) for f in frames]
+    out = decode(buffers)
+    assert isinstance(out, Proposal) and out.q_probs is not None
+    assert np.shares_memory(out.q_probs, np.asarray(buffers[2]))  # a view, not a copy
+    assert not out.q_probs.flags.writeable
+
+
+def _header(version: int, kind: int, body: object) -> bytes:
+    return bytes((version, kind)) + msgpack.packb(body, use_bin_type=True)
+
+
+GOOD_DRAFT = _frames(Draft(TAG, 1, 0, np.array([5], dtype=np.int32)))
+
+BAD_FRAMES = {
+    "empty": ([], ErrorCode.MALFORMED),
+    "truncated header": ([b"\x01"], ErrorCode.MALFORMED),
+    "wrong version": ([_header(9, Ping.TYPE, {"nonce": 1})], ErrorCode.VERSION_MISMATCH),
+    "unknown type": ([_header(1, 200, {})], ErrorCode.MALFORMED),
+    "not msgpack": ([b"\x01\x08\xc1\xc1\xc1"], ErrorCode.MALFORMED),
+    "truncated msgpack": ([GOOD_DRAFT[0][:-3], GOOD_DRAFT[1]], ErrorCode.MALFORMED),
+    "body not a map": ([_header(1, Ping.TYPE, [1, 2])], ErrorCode.MALFORMED),
+    "missing field": ([_header(1, Ping.TYPE, {})], ErrorCode.MALFORMED),
+    "unknown field": ([_header(1, Ping.TYPE, {"nonce": 1, "x": 2})], ErrorCode.MALFORMED),
+    "wrong type": ([_header(1, Ping.TYPE, {"nonce": "1"})], ErrorCode.MALFORMED),
+    "bool as int": ([_header(1, Ping.TYPE, {"nonce": True})], ErrorCode.MALFORMED),
+    "array frame missing": ([GOOD_DRAFT[0]], ErrorCode.MALFORMED),
+    "extra frame": ([*GOOD_DRAFT, b"1234"], ErrorCode.MALFORMED),
+    "length != shape": ([GOOD_DRAFT[0], b"\x00" * 5], ErrorCode.MALFORMED),
+    "too many frames": ([GOOD_DRAFT[0]] + [b""] * 20, ErrorCode.TOO_LARGE),
+    "oversized header": ([_header(1, Ping.TYPE, {"nonce": 1}) + b"\x00" * 70_000],
+                         ErrorCode.TOO_LARGE),
+    "oversized array": ([
+        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+                                "arrays": [["appended", "int32", [5_000_000]]]}),
+        b"\x00" * 20_000_000], ErrorCode.TOO_LARGE),
+    "bad dtype": ([
+        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+                                "arrays": [["appended", "object", [1]]]}), b"\x00" * 8],
+        ErrorCode.MALFORMED),
+    "float tokens": ([
+        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+                                "arrays": [["appended", "float32", [1]]]}), b"\x00" * 4],
+        ErrorCode.MALFORMED),
+    "bad shape": ([
+        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+                                "arrays": [["appended", "int32", [-1]]]}), b""],
+        ErrorCode.MALFORMED),
+    "wrong rank": ([
+        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+                                "arrays": [["appended", "int32", [1, 1]]]}), b"\x00" * 4],
+        ErrorCode.MALFORMED),
+    "huge container": ([_header(1, Ping.TYPE, {"nonce": 1}) [:2]
+                        + msgpack.packb({"nonce": list(range(1000))})], ErrorCode.MALFORMED),
+    "ext type": ([b"\x01\x08" + msgpack.packb({"nonce": msgpack.ExtType(1, b"x")})],
+                 ErrorCode.MALFORMED),
+    "bad sampling": ([
+        _header(1, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": -1.0},
+                               "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
+        ErrorCode.INVALID_ARGUMENT),
+    "nan temperature": ([
+        _header(1, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": float("nan")},
+                               "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
+        ErrorCode.INVALID_ARGUMENT),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FRAMES))
+def test_malformed_frames_raise_protocol_error(name: str) -> None:
+    frames, code = BAD_FRAMES[name]
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.code == code, info.value
+
+
+def test_sampling_params_semantics() -> None:
+    assert SamplingParams().greedy and not SamplingParams().truncated
+    assert SamplingParams(1.0, top_k=5).truncated
+    assert SamplingParams(1.0, top_p=0.9).truncated
+    assert not SamplingParams(1.0).truncated
+    with pytest.raises(ProtocolError):
+        SamplingParams(1.0, top_p=0.0).validate()
