@@ -60,6 +60,7 @@ class HubClient:
         self._waiting: dict[int | bytes, asyncio.Queue[protocol.Message]] = {}
         self._hello: asyncio.Future[protocol.Message] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Future[None]] = set()
 
     async def connect(self, timeout: float = 10.0) -> Welcome:
         """HELLO/WELCOME handshake; raises HubError if the hub refuses this target."""
@@ -110,7 +111,6 @@ class HubClient:
         if isinstance(reply, Error):
             raise HubError(reply.code, reply.message)
         assert isinstance(reply, Opened)
-        self._waiting[reply.tag] = inbox
         return reply.tag, inbox
 
     async def draft(self, tag: bytes, seq: int, accepted: int, appended: list[int]) -> None:
@@ -143,8 +143,13 @@ class HubClient:
         match msg:
             case Welcome() if self._hello and not self._hello.done():
                 self._hello.set_result(msg)
-            case Opened(ref=key) | Proposal(tag=key):
-                self._deliver(key, msg)
+            case Opened(ref=ref, tag=tag):
+                # Register the tag before anything else is read: PROPOSAL seq 0 may be next.
+                if ref in self._waiting:
+                    self._waiting[tag] = self._waiting[ref]
+                self._deliver(ref, msg)
+            case Proposal(tag=tag):
+                self._deliver(tag, msg)
             case Error(tag=bytes() as tag):
                 self._deliver(tag, msg)
             case Error(ref=int() as ref):
@@ -152,7 +157,8 @@ class HubClient:
             case Error() if self._hello and not self._hello.done():
                 self._hello.set_result(msg)
             case Ping(nonce=nonce):
-                asyncio.ensure_future(transport.send(self.sock, Pong(nonce)))
+                self._pending.add(asyncio.ensure_future(transport.send(self.sock, Pong(nonce))))
+                self._pending = {t for t in self._pending if not t.done()}
             case _:
                 log.warning("unexpected %s from hub: %s", type(msg).__name__, msg)
 

@@ -4,7 +4,8 @@
     python -m edge.target --hub tcp://HOST:5555 --prompts IN.jsonl --out OUT.jsonl --concurrency K
     python -m edge.target --standalone --prompt TEXT     # no hub: plain autoregressive decoding
 
-JSONL in: {"id": ..., "prompt": "...", "max_new_tokens": 32}; out: {"id", "prompt", "text",
+JSONL in: {"id": ..., "prompt": "...", "max_new_tokens": 32} (optional per line: "temperature",
+"top_k", "top_p", "seed" override the command line); out: {"id", "prompt", "text",
 "token_ids" (generated ids only), "stats": {"rounds", "accepted", "mean_accepted",
 "tokens_per_s"}}. Each sequence verifies the hub's proposals in one target forward per round;
 its output is exactly what the target alone would produce (greedy: token for token).
@@ -59,11 +60,16 @@ class TargetConfig:
 
 @dataclass(frozen=True)
 class Request:
-    """One line of the input JSONL (or the single --prompt)."""
+    """One line of the input JSONL (or the single --prompt).
+
+    A line may override the command line's sampling with "temperature", "top_k", "top_p" and
+    "seed"; ``sampling`` is then set.
+    """
 
     id: Any
     prompt: str
     max_new_tokens: int
+    sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -165,15 +171,31 @@ def load_requests(config: TargetConfig) -> list[Request]:
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{config.prompts}:{line_no}: needs a string 'prompt'")
         max_new = int(row.get("max_new_tokens", config.max_new_tokens))
-        requests.append(Request(row.get("id", line_no - 1), row["prompt"], max_new))
+        sampling = _row_sampling(row, config, line_no - 1)
+        requests.append(Request(row.get("id", line_no - 1), row["prompt"], max_new, sampling))
     return requests
+
+
+def _row_sampling(row: dict[str, Any], config: TargetConfig, index: int) -> SamplingParams | None:
+    if not {"temperature", "top_k", "top_p", "seed"} & set(row):
+        return None
+    params = SamplingParams(
+        float(row.get("temperature", config.temperature)),
+        int(row.get("top_k", config.top_k)),
+        float(row.get("top_p", config.top_p)),
+        int(row.get("seed", config.seed + index)),
+    )
+    params.validate()
+    return params
 
 
 def new_sequence(
     target: models.LoadedModel, config: TargetConfig, request: Request, index: int
 ) -> TargetSequence:
     """A fresh sequence for ``request``; seeds differ per request but not per run."""
-    params = SamplingParams(config.temperature, config.top_k, config.top_p, config.seed + index)
+    params = request.sampling or SamplingParams(
+        config.temperature, config.top_k, config.top_p, config.seed + index
+    )
     prompt = models.encode_text(target, request.prompt)
     return TargetSequence(target, prompt, params, request.max_new_tokens)
 
@@ -287,14 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     torch.set_num_threads(config.threads)
     target = models.load_causal_lm(config.model, config.device, config.dtype)
-    requests = load_requests(config)
     started = time.perf_counter()
     try:
+        requests = load_requests(config)
         if config.standalone:
             results = run_standalone(config, target, requests)
         else:
             results = transport.run_loop(run_with_hub(config, target, requests))
-    except HubError as exc:
+    except (HubError, protocol.ProtocolError, ValueError) as exc:
         log.error("%s", exc)
         return 2
     _log_summary(results, time.perf_counter() - started)

@@ -27,7 +27,7 @@ import numpy as np
 import zmq.asyncio
 
 from starsd import protocol, transport
-from starsd.drafter import DraftJob, Drafter, DraftState
+from starsd.drafter import Drafter, DraftJob, DraftState
 from starsd.protocol import (
     Close,
     Draft,
@@ -222,7 +222,12 @@ class Hub:
             return self._dispatch(peer, msg)
         except ProtocolError as exc:
             peer.stats.errors += 1
-            return [Error(exc.code, exc.message, **_context_of(exc))]
+            if isinstance(exc, _SessionError):
+                return [Error(exc.code, exc.message, tag=exc.tag, seq=exc.seq)]
+            return [Error(exc.code, exc.message)]
+        except Exception as exc:  # a bug must cost one reply, never the receive loop
+            log.exception("internal error handling a message from %s", peer.stats.name)
+            return [Error(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")]
 
     def _dispatch(self, peer: Peer, msg: protocol.Message) -> list[protocol.Message]:
         match msg:
@@ -258,22 +263,16 @@ class Hub:
             log.warning("refused target %s (%s): %s", peer.stats.name, msg.model, differences)
             return Error(ErrorCode.INCOMPATIBLE, f"target refused: {differences}")
         peer.welcomed = True
-        peer.stats.name = f"{peer.routing_id.hex()[:8]}/{msg.model}"
+        peer.stats.name = f"{peer.routing_id.hex()}/{msg.model}"
         log.info("target %s connected (vocab %d)", peer.stats.name, msg.vocab_size)
         return self.welcome
 
     def _open(self, peer: Peer, msg: Open) -> list[protocol.Message]:
-        ctx = {"ref": msg.ref}
-        if len(self.sessions) >= self.config.max_sessions:
-            return [Error(ErrorCode.RESOURCE_EXHAUSTED, "hub is at --max-sessions", **ctx)]
-        gamma = msg.gamma or self.config.gamma
-        if not 1 <= gamma <= self.config.max_gamma:
-            return [Error(ErrorCode.INVALID_ARGUMENT,
-                          f"gamma {gamma} outside 1..{self.config.max_gamma}", **ctx)]  # fmt: skip
-        problem = self._token_problem(msg.prompt, allow_empty=False)
-        if problem:
-            return [Error(ErrorCode.INVALID_ARGUMENT, f"prompt: {problem}", **ctx)]
+        refusal = self._open_refusal(msg)
+        if refusal is not None:
+            return [Error(refusal[0], refusal[1], ref=msg.ref)]
         tag = secrets.token_bytes(protocol.TAG_BYTES)
+        gamma = msg.gamma or self.config.gamma
         state = self.drafter.new_state(msg.prompt.tolist(), msg.sampling, gamma)
         session = Session(tag=tag, owner=peer.routing_id, state=state)
         self.sessions[tag] = session
@@ -282,24 +281,41 @@ class Hub:
         self._enqueue(session, DraftJob(tag, 0, state, 0, ()))
         return [Opened(ref=msg.ref, tag=tag)]
 
+    def _open_refusal(self, msg: Open) -> tuple[str, str] | None:
+        gamma = msg.gamma or self.config.gamma
+        problem = self._token_problem(msg.prompt, allow_empty=False)
+        if len(self.sessions) >= self.config.max_sessions:
+            return ErrorCode.RESOURCE_EXHAUSTED, "hub is at --max-sessions"
+        if not 1 <= gamma <= self.config.max_gamma:
+            return ErrorCode.INVALID_ARGUMENT, f"gamma {gamma} outside 1..{self.config.max_gamma}"
+        if problem:
+            return ErrorCode.INVALID_ARGUMENT, f"prompt: {problem}"
+        return None
+
     def _draft(self, peer: Peer, msg: Draft) -> list[protocol.Message]:
         session = self._owned(peer, msg.tag, msg.seq)
-        ctx = {"tag": msg.tag, "seq": msg.seq}
-        if session.in_flight:
-            return [Error(ErrorCode.BUSY, "a proposal for this session is being drafted", **ctx)]
-        if msg.seq != session.next_seq:
-            return [Error(ErrorCode.OUT_OF_ORDER,
-                          f"expected seq {session.next_seq}, got {msg.seq}", **ctx)]  # fmt: skip
-        if not 0 <= msg.accepted <= session.last_gamma:
-            return [Error(ErrorCode.INVALID_ARGUMENT,
-                          f"accepted {msg.accepted} outside 0..{session.last_gamma}", **ctx)]
-        problem = self._token_problem(msg.appended, allow_empty=True)
-        if problem:
-            return [Error(ErrorCode.INVALID_ARGUMENT, f"appended: {problem}", **ctx)]
+        refusal = self._draft_refusal(session, msg)
+        if refusal is not None:
+            return [Error(refusal[0], refusal[1], tag=msg.tag, seq=msg.seq)]
         peer.stats.record_verdict(session.last_gamma, msg.accepted)
         appended = tuple(int(t) for t in msg.appended)
         self._enqueue(session, DraftJob(msg.tag, msg.seq, session.state, msg.accepted, appended))
         return []
+
+    def _draft_refusal(self, session: Session, msg: Draft) -> tuple[str, str] | None:
+        # Nothing about the session changes unless every check passes.
+        if session.in_flight:
+            return ErrorCode.BUSY, "a proposal for this session is being drafted"
+        if msg.seq != session.next_seq:
+            return ErrorCode.OUT_OF_ORDER, f"expected seq {session.next_seq}, got {msg.seq}"
+        if not 0 <= msg.accepted <= session.last_gamma:
+            return ErrorCode.INVALID_ARGUMENT, (
+                f"accepted {msg.accepted} outside 0..{session.last_gamma}"
+            )
+        problem = self._token_problem(msg.appended, allow_empty=True)
+        if problem:
+            return ErrorCode.INVALID_ARGUMENT, f"appended: {problem}"
+        return None
 
     def _owned(self, peer: Peer, tag: bytes, seq: int | None) -> Session:
         session = self.sessions.get(tag)
@@ -347,12 +363,6 @@ class _SessionError(ProtocolError):
         super().__init__(code, message)
         self.tag = tag
         self.seq = seq
-
-
-def _context_of(exc: ProtocolError) -> dict[str, object]:
-    if isinstance(exc, _SessionError):
-        return {"tag": exc.tag, "seq": exc.seq}
-    return {}
 
 
 def compatibility_problems(welcome: Welcome, hello: Hello) -> str:

@@ -45,7 +45,8 @@ def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32"
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
-    model.to(device).eval()
+    model.to(device)  # type: ignore[arg-type]
+    model.eval()
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -110,7 +111,7 @@ def crop_cache(cache: Any, length: int) -> None:
 
 @torch.inference_mode()
 def forward(loaded: LoadedModel, token_ids: list[int], cache: Any) -> torch.Tensor:
-    """Feed ``token_ids`` after the cached prefix; returns logits [len(token_ids), V] float32 CPU."""
+    """Feed ``token_ids`` after the cached prefix; logits [len(token_ids), V] float32 on CPU."""
     ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, n]
     out = loaded.model(input_ids=ids, cache=cache, use_cache=True)
     return out.logits[0].float().cpu()

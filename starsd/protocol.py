@@ -28,13 +28,7 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024  # one array frame (a dense [gamma, V] float3
 MAX_FRAMES = 8
 MAX_ARRAY_ELEMENTS = MAX_FRAME_BYTES
 ALLOWED_DTYPES = frozenset({"int32", "int64", "float16", "float32"})
-_UNPACK_LIMITS = {
-    "max_str_len": 4096,
-    "max_bin_len": 1024,
-    "max_array_len": 64,
-    "max_map_len": 32,
-    "max_ext_len": 0,
-}
+_MAX_STR, _MAX_BIN, _MAX_ARRAY, _MAX_MAP = 4096, 1024, 64, 32
 
 
 class ErrorCode:
@@ -212,7 +206,9 @@ class Error:
     seq: int | None = None
 
 
-Message: TypeAlias = Hello | Welcome | Open | Opened | Draft | Proposal | Close | Ping | Pong | Error
+Message: TypeAlias = (
+    Hello | Welcome | Open | Opened | Draft | Proposal | Close | Ping | Pong | Error
+)
 MESSAGE_TYPES: dict[int, type] = {
     cls.TYPE: cls
     for cls in (Hello, Welcome, Open, Opened, Draft, Proposal, Close, Ping, Pong, Error)
@@ -270,7 +266,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
             if value is not None:
                 arr = np.ascontiguousarray(value)
                 arrays.append([f.name, arr.dtype.name, list(arr.shape)])
-                frames.append(memoryview(arr).cast("B"))
+                frames.append(memoryview(arr).cast("B"))  # type: ignore[arg-type]
         elif isinstance(value, SamplingParams):
             body[f.name] = dataclasses.asdict(value)
         else:
@@ -284,7 +280,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
 # ---------------------------------------------------------------------------------- decode
 
 
-def decode(frames: Sequence[bytes | memoryview]) -> Message:
+def decode(frames: Sequence[Any]) -> Message:
     """Parse frames into a message, raising ProtocolError for anything malformed."""
     if not frames:
         raise ProtocolError(ErrorCode.MALFORMED, "empty message")
@@ -318,7 +314,10 @@ def _header_type(header: memoryview) -> type:
 
 def _unpack_body(raw: memoryview) -> dict[str, Any]:
     try:
-        body = msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+        body = msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, max_str_len=_MAX_STR, max_bin_len=_MAX_BIN,
+            max_array_len=_MAX_ARRAY, max_map_len=_MAX_MAP, max_ext_len=0,
+        )  # fmt: skip
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"body is not valid msgpack: {exc}") from None
     if not isinstance(body, dict):
@@ -330,7 +329,7 @@ def _check_fields(cls: type, body: dict[str, Any]) -> dict[str, Any]:
     schema = _SCHEMAS[cls]
     unknown = set(body) - set(schema)
     if unknown:
-        raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: unknown fields {sorted(unknown)}")
+            raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: unknown {sorted(unknown)}")
     defaults = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     for name, types in schema.items():
         if name not in body:

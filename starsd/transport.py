@@ -73,7 +73,7 @@ async def drain_router(sock: zmq.asyncio.Socket, limit: int = 1024) -> list[Rece
 
     Draining instead of awaiting each message keeps per-message overhead low on a busy hub.
     """
-    await sock.poll(flags=zmq.POLLIN)
+    await sock.poll()  # POLLIN
     batch: list[Received] = []
     while len(batch) < limit:
         try:
@@ -88,17 +88,20 @@ async def drain_router(sock: zmq.asyncio.Socket, limit: int = 1024) -> list[Rece
 
 def send_to(sock: zmq.asyncio.Socket, peer: bytes, msg: protocol.Message) -> bool:
     """Send ``msg`` to ``peer`` without blocking; False (and a log line) if it cannot go now."""
-    try:
-        sock.send_multipart([peer, *protocol.encode(msg)], flags=zmq.NOBLOCK, copy=False)
-    except zmq.Again:
+    # On a zmq.asyncio socket a NOBLOCK send completes at once and reports failure through
+    # the returned future, not by raising.
+    frames = [peer, *protocol.encode(msg)]
+    sent: Any = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+    exc = sent.exception() if sent.done() else None
+    if exc is None:
+        return True
+    if isinstance(exc, zmq.Again):
         log.warning("peer %s is not reading (HWM reached): dropped %s", peer.hex(), _kind(msg))
-        return False
-    except zmq.ZMQError as exc:
-        if exc.errno != zmq.EHOSTUNREACH:
-            raise
+    elif isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
         log.info("peer %s is gone: dropped %s", peer.hex(), _kind(msg))
-        return False
-    return True
+    else:
+        raise exc
+    return False
 
 
 async def send(sock: zmq.asyncio.Socket, msg: protocol.Message) -> None:

@@ -18,7 +18,7 @@ CORPUS = (
 ) * 4
 
 
-def build_tokenizer(vocab_size: int = 160, extra: str = "") -> object:
+def build_tokenizer(vocab_size: int = 320, extra: str = "") -> object:
     """A small byte-level BPE wrapped as a transformers fast tokenizer (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

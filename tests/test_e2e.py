@@ -1,0 +1,167 @@
+"""End to end with real processes over TCP loopback: one hub, three targets, two sequences each."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import build_pair, build_tokenizer
+
+from starsd import models
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "To be, or not to be",
+    "Now is the winter",
+    "All the world",
+    "the slings and arrows of",
+    "whether tis nobler",
+    "O",
+]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "STARSD_LOG": "INFO"}
+
+
+class HubProcess:
+    """``python -m starsd.hub`` on a random loopback port, read from its log."""
+
+    def __init__(self, draft_dir: Path, log_path: Path) -> None:
+        self.log_path = log_path
+        self.log = log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "starsd.hub", "--model", str(draft_dir),
+             "--bind", "tcp://127.0.0.1:*", "--stats-interval", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO,
+        )  # fmt: skip
+        self.endpoint = self._wait_for_endpoint()
+
+    def _wait_for_endpoint(self, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(r"hub listening on (tcp://\S+)", self.log_path.read_text())
+            if found:
+                return found.group(1)
+            assert self.proc.poll() is None, self.log_path.read_text()
+            time.sleep(0.1)
+        raise TimeoutError(self.log_path.read_text())
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=20)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
+@pytest.fixture
+def start_hub(tmp_path: Path) -> Iterator:
+    hubs: list[HubProcess] = []
+
+    def start(draft_dir: Path) -> HubProcess:
+        hubs.append(HubProcess(draft_dir, tmp_path / f"hub{len(hubs)}.log"))
+        return hubs[-1]
+
+    yield start
+    for hub in hubs:
+        if hub.proc.poll() is None:
+            hub.stop()
+
+
+def _target_cmd(endpoint: str, target_dir: Path, prompts: Path, out: Path, *extra: str) -> list:
+    return [
+        sys.executable, "-m", "edge.target", "--hub", endpoint, "--model", str(target_dir),
+        "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "24", *extra,
+    ]  # fmt: skip
+
+
+def _run_targets(cmds: list[list[str]], tmp_path: Path) -> list[list[dict]]:
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, cwd=REPO)
+        for c in cmds
+    ]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out.decode()
+    return [_read_jsonl(Path(c[c.index("--out") + 1])) for c in cmds]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _write_prompts(path: Path, prompts: list[str]) -> Path:
+    rows = (json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts))
+    path.write_text("".join(rows))
+    return path
+
+
+def _reference(target_dir: Path, prompt: str, n: int) -> list[int]:
+    target = models.load_causal_lm(target_dir)
+    ids = torch.tensor([models.encode_text(target, prompt)])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=n, eos_token_id=sorted(target.eos_token_ids),
+                                pad_token_id=0)  # fmt: skip
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_three_targets_greedy_equal_target_alone(family: str, tmp_path: Path, start_hub) -> None:
+    target_dir, draft_dir = build_pair(tmp_path, family)
+    hub = start_hub(draft_dir)
+    cmds = []
+    for t in range(3):  # each target gets two of the prompts, and keeps both in flight
+        prompts = _write_prompts(tmp_path / f"in{t}.jsonl", PROMPTS[2 * t : 2 * t + 2])
+        cmds.append(_target_cmd(hub.endpoint, target_dir, prompts, tmp_path / f"out{t}.jsonl",
+                                "--concurrency", "2"))  # fmt: skip
+    results = _run_targets(cmds, tmp_path)
+    rounds = accepted = 0
+    for t, rows in enumerate(results):
+        for row, prompt in zip(rows, PROMPTS[2 * t : 2 * t + 2], strict=True):
+            assert row["prompt"] == prompt
+            assert row["token_ids"] == _reference(target_dir, prompt, 24), prompt
+            rounds += row["stats"]["rounds"]
+            accepted += row["stats"]["accepted"]
+    assert rounds > 0 and accepted > 0  # the hub really drafted, and some drafts were kept
+    assert hub.stop() == 0
+    log = hub.log_path.read_text()
+    assert "hub stopped" in log and log.count("connected (vocab") == 3
+
+
+def test_seeded_sampling_is_reproducible(tmp_path: Path, start_hub) -> None:
+    target_dir, draft_dir = build_pair(tmp_path, "llama")
+    hub = start_hub(draft_dir)
+    prompts = _write_prompts(tmp_path / "in.jsonl", PROMPTS[:2])
+    extra = ("--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--seed", "7",
+             "--concurrency", "2")  # fmt: skip
+    first, second = _run_targets(
+        [_target_cmd(hub.endpoint, target_dir, prompts, tmp_path / f"s{i}.jsonl", *extra)
+         for i in range(2)], tmp_path)  # fmt: skip
+    assert [r["token_ids"] for r in first] == [r["token_ids"] for r in second]
+    assert all(len(r["token_ids"]) == 24 for r in first)
+
+
+def test_a_target_with_another_tokenizer_is_refused_at_hello(tmp_path: Path, start_hub) -> None:
+    _, draft_dir = build_pair(tmp_path / "a", "llama")
+    other = build_tokenizer(extra="Completely different words: zebra quokka xylophone " * 20)
+    target_dir, _ = build_pair(tmp_path / "b", "llama", tokenizer=other)
+    hub = start_hub(draft_dir)
+    prompts = _write_prompts(tmp_path / "in.jsonl", PROMPTS[:1])
+    proc = subprocess.run(_target_cmd(hub.endpoint, target_dir, prompts, tmp_path / "o.jsonl"),
+                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 2
+    assert "INCOMPATIBLE" in proc.stderr and "tokenizer differs" in proc.stderr
+    assert hub.stop() == 0
+    assert "refused target" in hub.log_path.read_text()
