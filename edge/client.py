@@ -26,6 +26,8 @@ from starsd.protocol import (
     Pong,
     Proposal,
     SamplingParams,
+    Stats,
+    StatsRequest,
     Welcome,
 )
 
@@ -61,6 +63,7 @@ class HubClient:
         self._hello: asyncio.Future[protocol.Message] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Future[None]] = set()
+        self._stats: dict[int, asyncio.Future[Stats]] = {}
 
     async def connect(self, timeout: float = 10.0) -> Welcome:
         """HELLO/WELCOME handshake; raises HubError if the hub refuses this target."""
@@ -118,6 +121,17 @@ class HubClient:
         await transport.send(self.sock, Draft(tag, seq, accepted,
                                               np.asarray(appended, dtype=np.int32)))  # fmt: skip
 
+    async def stats(self, timeout: float = 10.0) -> Stats:
+        """The hub's counters (STATS_REQUEST -> STATS)."""
+        nonce = next(self._refs)
+        reply: asyncio.Future[Stats] = asyncio.get_running_loop().create_future()
+        self._stats[nonce] = reply
+        try:
+            await transport.send(self.sock, StatsRequest(nonce))
+            return await asyncio.wait_for(reply, timeout)
+        finally:
+            del self._stats[nonce]
+
     async def close_session(self, tag: bytes) -> None:
         """Tell the hub the sequence is finished; stop routing messages for it."""
         self._waiting.pop(tag, None)
@@ -156,6 +170,8 @@ class HubClient:
                 self._deliver(ref, msg)
             case Error() if self._hello and not self._hello.done():
                 self._hello.set_result(msg)
+            case Stats(nonce=nonce) if nonce in self._stats:
+                self._stats[nonce].set_result(msg)
             case Ping(nonce=nonce):
                 self._pending.add(asyncio.ensure_future(transport.send(self.sock, Pong(nonce))))
                 self._pending = {t for t in self._pending if not t.done()}

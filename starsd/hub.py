@@ -40,6 +40,8 @@ from starsd.protocol import (
     Pong,
     Proposal,
     ProtocolError,
+    Stats,
+    StatsRequest,
     Welcome,
 )
 from starsd.stats import HubStats, TargetStats
@@ -235,6 +237,8 @@ class Hub:
                 return [self._hello(peer, msg)]
             case Ping(nonce=nonce):
                 return [Pong(nonce)]
+            case StatsRequest(nonce=nonce):
+                return [self.snapshot(nonce)]
             case Pong():
                 return []
             case Error(code=code, message=text):
@@ -346,6 +350,23 @@ class Hub:
         return None
 
     # ------------------------------------------------------------------ reporting
+
+    def snapshot(self, nonce: int = 0) -> Stats:
+        """Hub-wide counters since start, as sent in reply to STATS_REQUEST."""
+        peers = [p.stats for p in self.peers.values()]
+        return Stats(
+            nonce=nonce,
+            wall_s=time.perf_counter() - self.stats.started,
+            busy_s=self.stats.busy_s,
+            jobs=self.stats.jobs,
+            batches=self.stats.batches,
+            sessions=len(self.sessions),
+            targets=sum(p.welcomed for p in self.peers.values()),
+            rounds=sum(s.rounds for s in peers),
+            proposed=sum(s.proposed for s in peers),
+            accepted=sum(s.accepted for s in peers),
+            queue_wait_s=sum(s.queue_wait_s for s in peers),
+        )
 
     def _log_stats(self) -> None:
         log.info(self.stats.line(len(self.sessions), sum(p.welcomed for p in self.peers.values())))

@@ -206,18 +206,49 @@ class Error:
     seq: int | None = None
 
 
+@dataclass(frozen=True)
+class StatsRequest:
+    """Target (or a monitoring tool) -> hub: ask for the hub's counters."""
+
+    TYPE: ClassVar[int] = 11
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Hub -> asker: hub-wide counters since start (times in seconds)."""
+
+    TYPE: ClassVar[int] = 12
+    nonce: int
+    wall_s: float
+    busy_s: float  # drafting thread busy time
+    jobs: int
+    batches: int
+    sessions: int
+    targets: int
+    rounds: int
+    proposed: int
+    accepted: int
+    queue_wait_s: float
+
+
 Message: TypeAlias = (
     Hello | Welcome | Open | Opened | Draft | Proposal | Close | Ping | Pong | Error
+    | StatsRequest | Stats
 )
 MESSAGE_TYPES: dict[int, type] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Open, Opened, Draft, Proposal, Close, Ping, Pong, Error)
-}
+    for cls in (
+        Hello, Welcome, Open, Opened, Draft, Proposal, Close, Ping, Pong, Error, StatsRequest,
+        Stats,
+    )
+}  # fmt: skip
 
 # Schema: for every field, the accepted python types after msgpack decoding. Array fields are
 # listed separately with their allowed dtypes and rank.
 _INT = (int,)
 _OPT_INT = (int, type(None))
+_NUM = (float, int)
 _SCHEMAS: dict[type, dict[str, tuple[type, ...]]] = {
     Hello: {"model": (str,), "vocab_size": _INT, "tokenizer": (str,), "version": _INT},
     Welcome: {
@@ -234,6 +265,12 @@ _SCHEMAS: dict[type, dict[str, tuple[type, ...]]] = {
     Error: {
         "code": (str,), "message": (str,), "ref": _OPT_INT,
         "tag": (bytes, type(None)), "seq": _OPT_INT,
+    },
+    StatsRequest: {"nonce": _INT},
+    Stats: {
+        "nonce": _INT, "wall_s": _NUM, "busy_s": _NUM, "jobs": _INT, "batches": _INT,
+        "sessions": _INT, "targets": _INT, "rounds": _INT, "proposed": _INT, "accepted": _INT,
+        "queue_wait_s": _NUM,
     },
 }  # fmt: skip
 _ARRAYS: dict[type, dict[str, tuple[frozenset[str], int, bool]]] = {

@@ -69,6 +69,8 @@ MESSAGES = [
     Pong(7),
     Error(ErrorCode.FORBIDDEN, "not yours", tag=TAG, seq=3),
     Error(ErrorCode.MALFORMED, "bad"),
+    protocol.StatsRequest(3),
+    protocol.Stats(3, 1.5, 0.5, 10, 4, 2, 1, 9, 36, 20, 0.01),
 ]  # fmt: skip
 
 
