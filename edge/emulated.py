@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from edge.client import HubClient, TargetInfo
 from starsd import models, protocol, transport
 from starsd.protocol import Proposal, SamplingParams, Stats
+from starsd.stats import latency_summary
 
 PROMPT_TOKENS = 16
 
@@ -151,19 +151,6 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], before: Stats, aft
         "bytes_per_round": sum(r.bytes for r in records) / max(rounds, 1),
         "rounds": rounds,
         "latency_ms": latency_summary(latencies),
-    }
-
-
-def latency_summary(latencies_s: list[float]) -> dict[str, float]:
-    """mean, p50, p99 and std of per-token latencies, in milliseconds."""
-    if not latencies_s:
-        return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "std": 0.0}
-    ms = sorted(1e3 * x for x in latencies_s)
-    return {
-        "mean": statistics.fmean(ms),
-        "p50": ms[len(ms) // 2],
-        "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
-        "std": statistics.pstdev(ms),
     }
 
 

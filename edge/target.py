@@ -80,7 +80,7 @@ class Result:
     prompt: str
     text: str
     token_ids: list[int]
-    stats: dict[str, float | int]
+    stats: dict[str, Any]
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, ensure_ascii=False)

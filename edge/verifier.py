@@ -15,6 +15,7 @@ import torch
 
 from starsd import models, sampling
 from starsd.protocol import SamplingParams
+from starsd.stats import latency_summary
 
 
 @dataclass
@@ -27,14 +28,23 @@ class SequenceStats:
     target_forwards: int = 0
     started: float = field(default_factory=time.perf_counter)
     finished: float = 0.0
+    last_commit: float = field(default_factory=time.perf_counter)
+    token_latency_s: list[float] = field(default_factory=list)  # per token: its round / tokens
 
-    def as_dict(self, generated: int) -> dict[str, float | int]:
+    def record_commit(self, tokens: int) -> None:
+        now = time.perf_counter()
+        self.token_latency_s.extend([(now - self.last_commit) / tokens] * tokens)
+        self.last_commit = now
+
+    def as_dict(self, generated: int) -> dict[str, Any]:
         wall = max((self.finished or time.perf_counter()) - self.started, 1e-9)
+        latency = latency_summary(self.token_latency_s)
         return {
             "rounds": self.rounds,
             "accepted": self.accepted,
             "mean_accepted": round(self.accepted / self.rounds, 4) if self.rounds else 0.0,
             "tokens_per_s": round(generated / wall, 3),
+            "latency_ms": {k: round(v, 4) for k, v in latency.items()},
         }
 
 
@@ -61,6 +71,7 @@ class TargetSequence:
         self.cache: Any = models.new_cache(target)
         if len(prompt) > 1:
             models.forward(target, prompt[:-1], self.cache)  # prefill all but the last token
+        self.stats.last_commit = time.perf_counter()  # latency counts decoding, not the prefill
 
     @property
     def last(self) -> int:
@@ -117,6 +128,7 @@ class TargetSequence:
 
     def _commit(self, tokens: list[int]) -> None:
         # Stop exactly where the target alone would: at the first EOS (kept) or the length limit.
+        self.stats.record_commit(len(tokens))
         for token in tokens:
             self.generated.append(token)
             if token in self.target.eos_token_ids or len(self.generated) >= self.max_new_tokens:

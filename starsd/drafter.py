@@ -100,6 +100,25 @@ class Drafter:
         return min(state.gamma, limit - len(state.tokens))
 
 
+class NullDrafter(Drafter):
+    """Proposes the last token gamma times, with no model work: for measuring hub overhead."""
+
+    kind = "null"
+
+    def _draft(self, job: DraftJob) -> Proposal | Error:
+        state = job.state
+        if not state.params.greedy:
+            return Error(ErrorCode.INVALID_ARGUMENT, "the null drafter is greedy only",
+                         tag=job.tag, seq=job.seq)  # fmt: skip
+        state.tokens.extend(state.proposed[: job.accepted])
+        state.tokens.extend(job.appended)
+        state.proposed = [state.tokens[-1]] * state.gamma
+        return _proposal(job, state.proposed, [], state.params)
+
+
+DRAFTERS: dict[str, type[Drafter]] = {"llm": Drafter, "null": NullDrafter}
+
+
 def apply_verdict(state: DraftState, accepted: int, appended: tuple[int, ...]) -> list[int]:
     """Commit ``accepted`` proposed tokens plus ``appended``; crop the cache to what stays valid.
 

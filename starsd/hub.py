@@ -27,7 +27,7 @@ import numpy as np
 import zmq.asyncio
 
 from starsd import protocol, transport
-from starsd.drafter import Drafter, DraftJob, DraftState
+from starsd.drafter import DRAFTERS, Drafter, DraftJob, DraftState
 from starsd.protocol import (
     Close,
     Draft,
@@ -65,6 +65,7 @@ class HubConfig:
     max_batch: int = 64
     threads: int = 1
     stats_interval: float = 10.0
+    draft_kind: str = "llm"
 
 
 @dataclass
@@ -416,6 +417,8 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--max-batch", type=int, default=HubConfig.max_batch)
     p.add_argument("--threads", type=int, default=HubConfig.threads, help="torch threads")
     p.add_argument("--stats-interval", type=float, default=HubConfig.stats_interval)
+    p.add_argument("--draft-kind", default=HubConfig.draft_kind, choices=sorted(DRAFTERS),
+                   help="llm: a draft causal LM; null: no model work (overhead benchmarks)")
     return HubConfig(**{k: v for k, v in vars(p.parse_args(argv)).items()})
 
 
@@ -434,9 +437,9 @@ def build_hub(config: HubConfig) -> Hub:
         epoch=secrets.token_bytes(8),
         default_gamma=config.gamma,
         max_gamma=config.max_gamma,
-        draft_kind=Drafter.kind,
+        draft_kind=config.draft_kind,
     )
-    return Hub(config, Drafter(draft), welcome)
+    return Hub(config, DRAFTERS[config.draft_kind](draft), welcome)
 
 
 async def run(config: HubConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -66,3 +67,16 @@ class HubStats:
             f"batches={self.batches} draft_busy={self.busy_fraction():.3f} "
             f"messages={self.messages} errors_sent={self.errors_sent}"
         )
+
+
+def latency_summary(latencies_s: list[float]) -> dict[str, float]:
+    """mean, p50, p99 and std of per-token latencies, in milliseconds."""
+    if not latencies_s:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "std": 0.0}
+    ms = sorted(1e3 * x for x in latencies_s)
+    return {
+        "mean": statistics.fmean(ms),
+        "p50": ms[len(ms) // 2],
+        "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+        "std": statistics.pstdev(ms),
+    }
