@@ -54,6 +54,7 @@ class TargetRecord:
     rounds: int = 0
     accepted: int = 0
     bytes: int = 0
+    round_s: float = 0.0
     token_latency_s: list[float] = field(default_factory=list)
 
 
@@ -104,6 +105,7 @@ def _record_round(record: TargetRecord, msg: Proposal, accepted: int, round_s: f
     record.rounds += 1
     record.tokens += tokens
     record.accepted += accepted
+    record.round_s += round_s
     record.bytes += sum(len(bytes(f)) for f in protocol.encode(msg)) + 64  # + the DRAFT
     record.token_latency_s.extend([round_s / tokens] * tokens)
 
@@ -150,6 +152,7 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], before: Stats, aft
         "mean_accepted": sum(r.accepted for r in records) / max(rounds, 1),
         "bytes_per_round": sum(r.bytes for r in records) / max(rounds, 1),
         "rounds": rounds,
+        "round_ms": 1e3 * sum(r.round_s for r in records) / max(rounds, 1),
         "latency_ms": latency_summary(latencies),
     }
 

@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-REPO = Path(__file__).resolve().parent.parent
+from harness import REPO, Processes, start_hub
+
 PROMPTS = [
     "ROMEO:\nBut soft, what light",
     "HAMLET:\nTo be, or not to be,",
@@ -53,31 +50,6 @@ class DemoConfig:
     max_new_tokens: int = 64
     gamma: int = 4
     out: str = "results/demo.json"
-
-
-class Processes:
-    """Every child process the demo starts, so all of them can be stopped on any exit."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, cwd=REPO)  # fmt: skip
-        self.procs.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def write_inputs(config: DemoConfig, work: Path) -> list[Path]:
@@ -114,21 +86,6 @@ def run_phase(
             raise RuntimeError(f"{name} target failed:\n{log.read_text()[-3000:]}")
         rows.append([json.loads(line) for line in out.read_text().splitlines()])
     return rows
-
-
-def start_hub(config: DemoConfig, procs: Processes, work: Path) -> tuple[subprocess.Popen, str]:
-    log = work / "hub.log"
-    proc = procs.start(["-m", "starsd.hub", "--model", config.draft, "--bind",
-                        "tcp://127.0.0.1:*", "--gamma", str(config.gamma)], log)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        found = re.search(r"hub listening on (tcp://\S+)", log.read_text())
-        if found:
-            return proc, found.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"hub exited:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    raise RuntimeError("hub did not start within 120 s")
 
 
 def decode_rate(rows: list[dict], greedy_only: bool = True) -> tuple[int, float]:
@@ -197,7 +154,8 @@ def run(config: DemoConfig) -> int:
             print(f"[1/2] {config.targets} targets standalone (the baseline) ...", flush=True)
             base = run_phase(config, procs, inputs, work, hub=None)
             print(f"[2/2] one hub + {config.targets} targets (StarSD) ...", flush=True)
-            hub, endpoint = start_hub(config, procs, work)
+            hub, endpoint = start_hub(procs, config.draft, work / "hub.log",
+                                      "--gamma", str(config.gamma))  # fmt: skip
             spec = run_phase(config, procs, inputs, work, hub=endpoint)
             hub.send_signal(signal.SIGTERM)
             hub.wait(timeout=30)

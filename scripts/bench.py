@@ -1,0 +1,448 @@
+"""StarSD benchmarks: every mode side by side in one run, next to the analytic model.
+
+    python scripts/bench.py --suite main  [--quick]   # standalone, centralized, 1:1, one-for-many
+    python scripts/bench.py --suite scale [--quick]   # emulated targets, N up to 128, N_full
+    python scripts/bench.py --suite lan   [--quick]   # hub and targets in separate namespaces
+
+Writes results/bench[-scale|-lan].json (``runs``: one record per (mode, N)) and PNG plots, and
+prints a markdown table. Greedy decoding on the default model pair unless --target/--draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from harness import REPO, Processes, start_hub, stop
+
+from edge.client import HubClient, TargetInfo
+from edge.verifier import TargetSequence
+from starsd import analytic, models, transport
+from starsd.drafter import Drafter, DraftJob
+from starsd.protocol import SamplingParams, Stats
+from starsd.stats import latency_summary
+
+PROMPTS = [
+    "ROMEO:\nBut soft, what light",
+    "HAMLET:\nTo be, or not to be,",
+    "KING RICHARD III:\nNow is the winter",
+    "JULIET:\nO Romeo, Romeo,",
+    "MACBETH:\nTo-morrow, and to-morrow,",
+    "PORTIA:\nThe quality of mercy",
+]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What scripts/bench.py is told."""
+
+    suite: str
+    target: str
+    draft: str
+    quick: bool = False
+    gamma: int = 4
+    max_new_tokens: int = 64
+    ns: tuple[int, ...] = (1, 2, 3)
+    scale_ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    alpha: float = 0.7
+    verify_ms: float = 8.0
+    duration: float = 4.0
+    delay_ms: float = 1.0
+    rate_mbit: float = 1000.0
+    out_dir: str = "results"
+
+
+def run_record(mode: str, n: int, **fields: Any) -> dict[str, Any]:
+    """One ``runs`` record with every key of the JSON contract present."""
+    base: dict[str, Any] = {
+        "mode": mode, "n_targets": n, "system_tokens_per_s": None,
+        "per_target_tokens_per_s": None, "predicted_system_tokens_per_s": None,
+        "hub_busy_fraction": None, "acceptance_rate": None, "mean_accepted": None,
+        "latency_ms": None, "bytes_per_round": None, "queue_wait_ms": None,
+    }  # fmt: skip
+    base.update(fields)
+    return base
+
+
+# ---------------------------------------------------------------------- in-process modes
+
+
+def bench_standalone(target: models.LoadedModel, cfg: BenchConfig) -> tuple[dict, float]:
+    """The target alone; returns its record and the mean decode step (T_ar)."""
+    tokens, seconds, lat = 0, 0.0, []
+    for prompt in PROMPTS:
+        seq = TargetSequence(target, models.encode_text(target, prompt), SamplingParams(),
+                             cfg.max_new_tokens)  # fmt: skip
+        started = time.perf_counter()
+        while not seq.done:
+            seq.step()
+        seconds += time.perf_counter() - started
+        tokens += len(seq.generated)
+        lat += seq.stats.token_latency_s
+    rate = tokens / seconds
+    return run_record("standalone", 1, system_tokens_per_s=rate, per_target_tokens_per_s=rate,
+                      latency_ms=latency_summary(lat)), seconds / tokens  # fmt: skip
+
+
+def bench_centralized(target: models.LoadedModel, draft: models.LoadedModel, cfg: BenchConfig
+                      ) -> tuple[dict, dict[str, float]]:  # fmt: skip
+    """Draft and target in one process; also measures S(d) and the verify time per round."""
+    drafter = Drafter(draft)
+    tokens = rounds = accepted = 0
+    draft_s = verify_s = 0.0
+    lat: list[float] = []
+    started = time.perf_counter()
+    for prompt in PROMPTS:
+        ids = models.encode_text(target, prompt)
+        seq = TargetSequence(target, ids, SamplingParams(), cfg.max_new_tokens)
+        state = drafter.new_state(ids, SamplingParams(), cfg.gamma)
+        job = DraftJob(b"", 0, state, 0, ())
+        while not seq.done:
+            t0 = time.perf_counter()
+            (proposal,) = drafter.propose([job])
+            t1 = time.perf_counter()
+            n, appended = seq.verify([int(t) for t in proposal.tokens], None)  # type: ignore[union-attr]
+            verify_s += time.perf_counter() - t1
+            draft_s += t1 - t0
+            rounds, accepted = rounds + 1, accepted + n
+            job = DraftJob(b"", job.seq + 1, state, n, tuple(appended))
+        tokens += len(seq.generated)
+        lat += seq.stats.token_latency_s
+    rate = tokens / (time.perf_counter() - started)
+    record = run_record(
+        "centralized", 1, system_tokens_per_s=rate, per_target_tokens_per_s=rate,
+        acceptance_rate=accepted / (rounds * cfg.gamma), mean_accepted=accepted / rounds,
+        latency_ms=latency_summary(lat),
+    )  # fmt: skip
+    return record, {"draft_s": draft_s / rounds, "verify_s": verify_s / rounds,
+                    "mean_accepted": accepted / rounds}  # fmt: skip
+
+
+async def echo_round_trip(samples: int = 300) -> float:
+    """Mean DEALER -> ROUTER -> DEALER round trip of a small message, asyncio, loopback."""
+    ctx = transport.new_context()
+    router = transport.router(ctx, "tcp://127.0.0.1:*")
+    dealer = transport.dealer(ctx, transport.bound_endpoint(router))
+    payload = [b"\x01\x08" + b"\x81\xa5nonce\x01"]
+    times = []
+    try:
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            await dealer.send_multipart(payload)
+            peer, *frames = await router.recv_multipart()
+            await router.send_multipart([peer, *frames])
+            await dealer.recv_multipart()
+            times.append(time.perf_counter() - t0)
+    finally:
+        dealer.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+    times.sort()
+    return sum(times[samples // 10 :]) / len(times[samples // 10 :])  # skip warm-up outliers
+
+
+# ---------------------------------------------------------------------- multi-process modes
+
+
+async def hub_stats(endpoint: str, info: TargetInfo) -> Stats:
+    """One STATS reply from the hub at ``endpoint``."""
+    ctx = transport.new_context()
+    client = HubClient(ctx, endpoint, info)
+    try:
+        await client.connect()
+        return await client.stats()
+    finally:
+        await client.aclose()
+        ctx.term()
+
+
+def busy_between(before: Stats, after: Stats) -> tuple[float, float]:
+    """(hub busy fraction, mean queue wait ms) between two STATS replies."""
+    wall = after.wall_s - before.wall_s
+    jobs = max(after.jobs - before.jobs, 1)
+    return ((after.busy_s - before.busy_s) / wall if wall > 0 else 0.0,
+            1e3 * (after.queue_wait_s - before.queue_wait_s) / jobs)  # fmt: skip
+
+
+def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[str],
+                tag: str) -> list[list[dict]]:  # fmt: skip
+    """One target process per endpoint, all at once, each on the full prompt set."""
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                               for i, p in enumerate(PROMPTS)))  # fmt: skip
+    running = []
+    for i, endpoint in enumerate(endpoints):
+        out = work / f"{tag}-{i}.jsonl"
+        args = ["-m", "edge.target", "--hub", endpoint, "--model", cfg.target, "--prompts",
+                str(prompts), "--out", str(out), "--max-new-tokens", str(cfg.max_new_tokens),
+                "--gamma", str(cfg.gamma)]  # fmt: skip
+        running.append((procs.start(args, work / f"{tag}-{i}.log"), out))
+    rows = []
+    for proc, out in running:
+        if proc.wait(timeout=900) != 0:
+            raise RuntimeError(f"{tag}: a target failed; see {out.with_suffix('.log')}")
+        rows.append([json.loads(line) for line in out.read_text().splitlines()])
+    return rows
+
+
+def targets_record(mode: str, rows: list[list[dict]], gamma: int, **fields: Any) -> dict:
+    """Aggregate target JSONL rows into a record (tokens/s from each sequence's own time)."""
+    per_target, lat, rounds, accepted = [], [], 0, 0
+    for target_rows in rows:
+        tokens = sum(len(r["token_ids"]) for r in target_rows)
+        seconds = sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in target_rows)
+        per_target.append(tokens / seconds)
+        for r in target_rows:
+            rounds += r["stats"]["rounds"]
+            accepted += r["stats"]["accepted"]
+            lat.append(r["stats"]["latency_ms"])
+    return run_record(
+        mode, len(rows), system_tokens_per_s=sum(per_target),
+        per_target_tokens_per_s=sum(per_target) / len(rows),
+        acceptance_rate=accepted / max(rounds * gamma, 1), mean_accepted=accepted / max(rounds, 1),
+        latency_ms={k: sum(x[k] for x in lat) / len(lat) for k in ("mean", "p50", "p99", "std")},
+        **fields,
+    )  # fmt: skip
+
+
+def proposal_bytes(gamma: int) -> float:
+    """Bytes on the wire per greedy round: PROPOSAL + DRAFT, as encoded (plus ZMTP framing)."""
+    import numpy as np
+
+    from starsd import protocol
+
+    tag = b"\x00" * protocol.TAG_BYTES
+    sizes = [protocol.Proposal(tag, 1, np.zeros(gamma, np.int32)),
+             protocol.Draft(tag, 1, 2, np.zeros(1, np.int32))]  # fmt: skip
+    return float(sum(len(bytes(f)) + 2 for m in sizes for f in protocol.encode(m)))
+
+
+# ---------------------------------------------------------------------- suites
+
+
+def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
+    """standalone, centralized, distributed 1:1 and one-for-many on real models."""
+    torch.set_num_threads(1)
+    target, draft = models.load_causal_lm(cfg.target), models.load_causal_lm(cfg.draft)
+    print("[main] standalone and centralized (in process) ...", flush=True)
+    standalone, t_ar = bench_standalone(target, cfg)
+    central, measured = bench_centralized(target, draft, cfg)
+    link = transport.run_loop(echo_round_trip())
+    alpha = analytic.alpha_from_mean_accepted(measured["mean_accepted"], cfg.gamma)
+    inputs = analytic.ModelInputs(alpha, cfg.gamma, measured["draft_s"], measured["verify_s"],
+                                  link, t_ar)  # fmt: skip
+    tokens = analytic.expected_tokens_per_round(alpha, cfg.gamma)
+    central["predicted_system_tokens_per_s"] = tokens / (inputs.draft_s + inputs.verify_s)
+    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
+    runs = [standalone, central]
+    for mode, n in [("distributed-1to1", 1), *[("one-for-many", n) for n in cfg.ns]]:
+        print(f"[main] {mode} with {n} target process(es) ...", flush=True)
+        runs.append(hub_run(cfg, procs, work, info, mode, n, inputs))
+    base = standalone["system_tokens_per_s"]
+    return {"runs": runs, "model_inputs": asdict(inputs), "link_round_trip_ms": 1e3 * link,
+            "speedup_vs_standalone": {f"{r['mode']}/{r['n_targets']}":
+                                      r["system_tokens_per_s"] / base for r in runs}}  # fmt: skip
+
+
+def hub_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, mode: str, n: int,
+            inputs: analytic.ModelInputs) -> dict:  # fmt: skip
+    """A fresh hub and ``n`` target processes; one record."""
+    hub, endpoint = start_hub(procs, cfg.draft, work / f"hub-{mode}-{n}.log",
+                              "--gamma", str(cfg.gamma))  # fmt: skip
+    before = transport.run_loop(hub_stats(endpoint, info))
+    rows = run_targets(cfg, procs, work, [endpoint] * n, f"{mode}-{n}")
+    after = transport.run_loop(hub_stats(endpoint, info))
+    stop(hub)
+    decode_wall = max(sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in t)
+                      for t in rows)  # fmt: skip
+    _, queue_ms = busy_between(before, after)
+    return targets_record(
+        mode, rows, cfg.gamma, hub_busy_fraction=min(1.0, (after.busy_s - before.busy_s)
+                                                     / decode_wall),
+        queue_wait_ms=queue_ms, bytes_per_round=proposal_bytes(cfg.gamma),
+        predicted_system_tokens_per_s=analytic.predict(inputs, n).system_tokens_per_s,
+    )  # fmt: skip
+
+
+def emulated_run(cfg: BenchConfig, procs: Processes, work: Path, endpoint: str, n: int,
+                 verify_ms: float, duration: float) -> dict:  # fmt: skip
+    """``python -m edge.emulated`` with ``n`` targets; its JSON report."""
+    out = work / f"emulated-{n}-{verify_ms}.json"
+    args = ["-m", "edge.emulated", "--hub", endpoint, "--model", cfg.target, "--targets", str(n),
+            "--alpha", str(cfg.alpha), "--verify-ms", str(verify_ms), "--gamma", str(cfg.gamma),
+            "--duration", str(duration), "--warmup", "1", "--out", str(out)]  # fmt: skip
+    proc = procs.start(args, out.with_suffix(".log"))
+    if proc.wait(timeout=duration + 120) != 0:
+        raise RuntimeError(out.with_suffix(".log").read_text()[-3000:])
+    return dict(json.loads(out.read_text()))
+
+
+def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
+    """Emulated targets against the real hub: N swept, the model's prediction beside each."""
+    link = transport.run_loop(echo_round_trip())
+    hub, endpoint = start_hub(procs, cfg.draft, work / "hub-scale.log", "--gamma",
+                              str(cfg.gamma), "--max-sessions", "4096")  # fmt: skip
+    reports = []
+    for n in cfg.scale_ns:
+        print(f"[scale] {n} emulated targets ...", flush=True)
+        reports.append(emulated_run(cfg, procs, work, endpoint, n, cfg.verify_ms, cfg.duration))
+    stop(hub)
+    inputs = analytic.ModelInputs(cfg.alpha, cfg.gamma, reports[0]["draft_service_s"],
+                                  cfg.verify_ms / 1e3, link, cfg.verify_ms / 1e3)  # fmt: skip
+    runs = [run_record("emulated", r["n_targets"], **{k: r[k] for k in _EMULATED_KEYS},
+                       predicted_system_tokens_per_s=analytic.predict(
+                           inputs, r["n_targets"]).system_tokens_per_s)
+            for r in reports]  # fmt: skip
+    overhead = hub_overhead(cfg, procs, work, link)
+    return {"runs": runs, "model_inputs": asdict(inputs), **saturation(runs, inputs),
+            "hub_overhead": overhead, "link_round_trip_ms": 1e3 * link}  # fmt: skip
+
+
+_EMULATED_KEYS = ("system_tokens_per_s", "per_target_tokens_per_s", "hub_busy_fraction",
+                  "acceptance_rate", "mean_accepted", "latency_ms", "bytes_per_round",
+                  "queue_wait_ms")  # fmt: skip
+
+
+def saturation(runs: list[dict], inputs: analytic.ModelInputs) -> dict:
+    """Measured N_full (first N within 5% of the best system throughput) against the model's."""
+    best = max(r["system_tokens_per_s"] for r in runs)
+    measured = next(r["n_targets"] for r in runs if r["system_tokens_per_s"] >= 0.95 * best)
+    ns = [r["n_targets"] for r in runs]
+    model = analytic.saturation_point(inputs)
+    model_step = next((i for i, n in enumerate(ns) if n >= model), len(ns) - 1)
+    errors = [abs(r["system_tokens_per_s"] / r["predicted_system_tokens_per_s"] - 1) for r in runs]
+    return {"n_full_measured": measured, "n_full_model": model,
+            "n_full_within_one_step": abs(ns.index(measured) - model_step) <= 1,
+            "max_prediction_error": max(errors)}  # fmt: skip
+
+
+def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, link: float) -> dict:
+    """Round time with a null drafter and no verify, against the bare ZeroMQ round trip."""
+    print("[scale] hub overhead (null drafter) ...", flush=True)
+    hub, endpoint = start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null")
+    report = emulated_run(cfg, procs, work, endpoint, 1, 0.0, min(cfg.duration, 3.0))
+    stop(hub)
+    round_ms, echo_ms = report["round_ms"], 1e3 * link
+    return {"round_ms": round_ms, "echo_round_trip_ms": echo_ms,
+            "added_ms": round_ms - echo_ms, "added_over_echo": (round_ms - echo_ms) / echo_ms}
+
+
+# ---------------------------------------------------------------------- report
+
+
+def markdown(result: dict) -> str:
+    """The runs as a short markdown table."""
+    lines = ["| mode | N | system tok/s | predicted | per-target tok/s | hub busy | "
+             "mean accepted | latency mean/p99/std ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        lat = r["latency_ms"] or {}
+        lines.append(
+            f"| {r['mode']} | {r['n_targets']} | {r['system_tokens_per_s']:.1f} | "
+            f"{_fmt(r['predicted_system_tokens_per_s'])} | {r['per_target_tokens_per_s']:.1f} | "
+            f"{_fmt(r['hub_busy_fraction'], 2)} | {_fmt(r['mean_accepted'], 2)} | "
+            f"{lat.get('mean', 0):.2f}/{lat.get('p99', 0):.2f}/{lat.get('std', 0):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Measured against predicted system throughput (and per-target) per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if all(r["mode"] == "emulated" for r in runs):
+        ns = [r["n_targets"] for r in runs]
+        ax.plot(ns, [r["system_tokens_per_s"] for r in runs], "o-", label="system (measured)")
+        ax.plot(ns, [r["predicted_system_tokens_per_s"] for r in runs], "--",
+                label="system (model)")  # fmt: skip
+        ax.plot(ns, [r["per_target_tokens_per_s"] for r in runs], "s-", label="per target")
+        ax.axvline(result["n_full_model"], ls=":", c="red", label="N_full (model)")
+        ax.set(xscale="log", xlabel="emulated targets N", ylabel="tokens/s")
+    else:
+        labels = [f"{r['mode']}\nN={r['n_targets']}" for r in runs]
+        ax.bar(labels, [r["system_tokens_per_s"] for r in runs], label="measured")
+        pred = [r["predicted_system_tokens_per_s"] or 0 for r in runs]
+        ax.scatter(labels, pred, c="red", zorder=3, label="model")
+        ax.set(ylabel="system tokens/s")
+        ax.tick_params(axis="x", labelsize=7)
+    ax.legend()
+    ax.set_title(f"StarSD {result['suite']} benchmark")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    """argparse -> BenchConfig (--quick shortens every run)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--suite", choices=["main", "scale", "lan"], default="main")
+    p.add_argument("--target", default=str(models.DEFAULT_TARGET_DIR))
+    p.add_argument("--draft", default=str(models.DEFAULT_DRAFT_DIR))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--gamma", type=int, default=BenchConfig.gamma)
+    p.add_argument("--alpha", type=float, default=BenchConfig.alpha)
+    p.add_argument("--verify-ms", type=float, default=BenchConfig.verify_ms)
+    p.add_argument("--delay-ms", type=float, default=BenchConfig.delay_ms)
+    p.add_argument("--rate-mbit", type=float, default=BenchConfig.rate_mbit)
+    p.add_argument("--out-dir", default=BenchConfig.out_dir)
+    a = vars(p.parse_args(argv))
+    if a["quick"]:
+        a.update(max_new_tokens=32, ns=(1, 2), duration=2.0)
+    return BenchConfig(**a)
+
+
+SUITES = {"main": suite_main, "scale": suite_scale}
+OUT_NAMES = {"main": "bench", "scale": "bench-scale", "lan": "bench-lan"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    procs = Processes()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="starsd-bench-") as tmp:
+        try:
+            result = {"suite": cfg.suite, "config": asdict(cfg),
+                      **SUITES[cfg.suite](cfg, procs, Path(tmp))}  # fmt: skip
+        except KeyboardInterrupt:
+            print("bench: interrupted; all processes stopped", file=sys.stderr)
+            return 130
+        finally:
+            procs.stop_all()
+    result["wall_s"] = time.perf_counter() - started
+    result["machine"] = machine()
+    out = REPO / cfg.out_dir / f"{OUT_NAMES[cfg.suite]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(markdown(result))
+    print({k: v for k, v in result.items() if k not in ("runs", "config")})
+    print(f"wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f} s")
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures were measured."""
+    import os
+    import platform
+
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "processor": platform.processor(), "torch": torch.__version__,
+            "python": platform.python_version()}  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

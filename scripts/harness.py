@@ -1,0 +1,63 @@
+"""Process plumbing shared by the demo and the benchmarks: start, find and stop services."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Processes:
+    """Every child process a script starts, so all of them can be stopped on any exit."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: list[str], log_path: Path, prefix: list[str] | None = None
+              ) -> subprocess.Popen[bytes]:  # fmt: skip
+        """``python ARGS`` (optionally behind ``prefix``, e.g. ``ip netns exec NS``)."""
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen([*(prefix or []), sys.executable, *args], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, cwd=REPO)  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        """SIGTERM everything still running, then SIGKILL what does not exit within 10 s."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def start_hub(procs: Processes, draft: str, log: Path, *extra: str,
+              bind: str = "tcp://127.0.0.1:*", prefix: list[str] | None = None
+              ) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
+    """Start ``python -m starsd.hub`` and wait for its endpoint (read from its log)."""
+    proc = procs.start(["-m", "starsd.hub", "--model", draft, "--bind", bind, *extra], log,
+                       prefix)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = re.search(r"hub listening on (tcp://\S+)", log.read_text())
+        if found:
+            return proc, found.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"hub exited:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    raise RuntimeError("hub did not start within 120 s")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+    """SIGTERM one process and wait for its exit code."""
+    proc.terminate()
+    return proc.wait(timeout=timeout)
