@@ -52,9 +52,12 @@ demo: $(STAMP)
 
 models: $(STAMP)
 	$(BIN)/python scripts/train_default_pair.py
+	$(BIN)/python scripts/eval_models.py
+	$(BIN)/python scripts/write_model_cards.py
 
 eval-models: $(STAMP)
 	$(BIN)/python scripts/eval_models.py
+	$(BIN)/python scripts/write_model_cards.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
