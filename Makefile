@@ -11,8 +11,10 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
+BENCH_ARGS = $(if $(QUICK),--quick)
 
-.PHONY: venv install test test-fast lint demo models eval-models clean help
+.PHONY: venv install test test-fast lint demo models eval-models bench bench-scale bench-lan \
+	analytic clean help
 
 help:
 	@echo "make demo        one hub + 3 targets on the default models, speedup vs standalone"
@@ -21,6 +23,9 @@ help:
 	@echo "make lint        ruff + mypy"
 	@echo "make models      re-train the default target/draft pair (~5 min on 2 cores)"
 	@echo "make eval-models re-measure the default pair into results/eval-models.json"
+	@echo "make bench       all modes side by side -> results/bench.json + .png  [QUICK=1]"
+	@echo "make bench-scale emulated targets up to N=128, N_full -> results/bench-scale.json [QUICK=1]"
+	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
 
 $(BIN)/python:
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -58,6 +63,18 @@ models: $(STAMP)
 eval-models: $(STAMP)
 	$(BIN)/python scripts/eval_models.py
 	$(BIN)/python scripts/write_model_cards.py
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench.py --suite main $(BENCH_ARGS)
+
+bench-scale: $(STAMP)
+	$(BIN)/python scripts/bench.py --suite scale $(BENCH_ARGS)
+
+bench-lan: $(STAMP)
+	$(BIN)/python scripts/bench.py --suite lan $(BENCH_ARGS)
+
+analytic: $(STAMP)
+	$(BIN)/python -m starsd.analytic --from results/bench-scale.json --plot results/analytic.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
