@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -172,8 +173,11 @@ def busy_between(before: Stats, after: Stats) -> tuple[float, float]:
 
 
 def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[str],
-                tag: str) -> list[list[dict]]:  # fmt: skip
-    """One target process per endpoint, all at once, each on the full prompt set."""
+                tag: str, prefixes: list[list[str]] | None = None) -> list[list[dict]]:  # fmt: skip
+    """One target process per endpoint, all at once, each on the full prompt set.
+
+    ``prefixes`` (one per target) run a target elsewhere, e.g. ``ip netns exec NS``.
+    """
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
                                for i, p in enumerate(PROMPTS)))  # fmt: skip
@@ -183,7 +187,8 @@ def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[
         args = ["-m", "edge.target", "--hub", endpoint, "--model", cfg.target, "--prompts",
                 str(prompts), "--out", str(out), "--max-new-tokens", str(cfg.max_new_tokens),
                 "--gamma", str(cfg.gamma)]  # fmt: skip
-        running.append((procs.start(args, work / f"{tag}-{i}.log"), out))
+        prefix = prefixes[i] if prefixes else None
+        running.append((procs.start(args, work / f"{tag}-{i}.log", prefix), out))
     rows = []
     for proc, out in running:
         if proc.wait(timeout=900) != 0:
@@ -219,8 +224,8 @@ def proposal_bytes(gamma: int) -> float:
     from starsd import protocol
 
     tag = b"\x00" * protocol.TAG_BYTES
-    sizes = [protocol.Proposal(tag, 1, np.zeros(gamma, np.int32)),
-             protocol.Draft(tag, 1, 2, np.zeros(1, np.int32))]  # fmt: skip
+    sizes: list[protocol.Message] = [protocol.Proposal(tag, 1, np.zeros(gamma, np.int32)),
+                                     protocol.Draft(tag, 1, 2, np.zeros(1, np.int32))]  # fmt: skip
     return float(sum(len(bytes(f)) + 2 for m in sizes for f in protocol.encode(m)))
 
 
@@ -405,12 +410,71 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     return BenchConfig(**a)
 
 
-SUITES = {"main": suite_main, "scale": suite_scale}
+def suite_lan(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
+    """Hub and targets on separate hosts (network namespaces), behind a delaying proxy."""
+    import netem
+
+    ok, why = netem.available()
+    if not ok:
+        print(f"[lan] network namespaces unavailable ({why}): falling back to loopback, "
+              "with the same delay proxy", flush=True)  # fmt: skip
+        return lan_loopback(cfg, procs, work)
+    netem.cleanup_stale()
+    runs = []
+    with netem.Namespaces(max(cfg.ns)) as net:
+        prefix = ["ip", "netns", "exec", net.hub.netns]
+        hub, _ = start_hub(procs, cfg.draft, work / "hub-lan.log", "--gamma", str(cfg.gamma),
+                           bind=f"tcp://{net.hub.ip}:5555", prefix=prefix)  # fmt: skip
+        proxy = netem.ProxyConfig(net.hub.ip, 5555, net.hub.ip, 6000, cfg.delay_ms,
+                                  cfg.rate_mbit, spin_ms=0.0)  # fmt: skip
+        net.run_in(net.hub, netem.proxy_argv(proxy))
+        time.sleep(1.0)
+        for n in cfg.ns:
+            print(f"[lan] one hub + {n} target host(s), {cfg.delay_ms} ms each way ...", flush=True)
+            rows = run_targets(cfg, procs, work, [f"tcp://{net.hub.ip}:6000"] * n, f"lan-{n}",
+                               [["ip", "netns", "exec", h.netns] for h in net.targets[:n]])
+            runs.append(targets_record("one-for-many", rows, cfg.gamma,
+                                       bytes_per_round=proposal_bytes(cfg.gamma)))  # fmt: skip
+        stop(hub)
+    return {"runs": runs, "network": "namespaces", **_link(cfg)}
+
+
+def lan_loopback(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
+    """The same measurement on loopback, the delay proxy in front of the hub."""
+    import netem
+
+    hub, endpoint = start_hub(procs, cfg.draft, work / "hub-lan.log", "--gamma", str(cfg.gamma))
+    port = int(endpoint.rsplit(":", 1)[1])
+    proxy = netem.DelayProxy(netem.ProxyConfig("127.0.0.1", port, delay_ms=cfg.delay_ms,
+                                               rate_mbit=cfg.rate_mbit))  # fmt: skip
+    host, proxy_port = proxy.start_background()
+    runs = []
+    try:
+        for n in cfg.ns:
+            rows = run_targets(cfg, procs, work, [f"tcp://{host}:{proxy_port}"] * n, f"lan-{n}")
+            runs.append(targets_record("one-for-many", rows, cfg.gamma,
+                                       bytes_per_round=proposal_bytes(cfg.gamma)))  # fmt: skip
+    finally:
+        proxy.stop_background()
+        stop(hub)
+    return {"runs": runs, "network": "loopback", **_link(cfg)}
+
+
+def _link(cfg: BenchConfig) -> dict:
+    return {"link": {"one_way_delay_ms": cfg.delay_ms, "rate_mbit": cfg.rate_mbit}}
+
+
+SUITES = {"main": suite_main, "scale": suite_scale, "lan": suite_lan}
 OUT_NAMES = {"main": "bench", "scale": "bench-scale", "lan": "bench-lan"}
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up (processes, namespaces) like Ctrl-C
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     procs = Processes()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="starsd-bench-") as tmp:

@@ -147,7 +147,9 @@ class Hub:
         while (job := self.q_in.get()) is not None:
             batch = [job, *self._take_pending()]
             started = time.perf_counter()
+            self.stats.batch_started = started
             results = self.drafter.propose(batch)
+            self.stats.batch_started = None
             self.stats.busy_s += time.perf_counter() - started
             self.stats.batches += 1
             self.stats.jobs += len(batch)
@@ -358,7 +360,7 @@ class Hub:
         return Stats(
             nonce=nonce,
             wall_s=time.perf_counter() - self.stats.started,
-            busy_s=self.stats.busy_s,
+            busy_s=self.stats.busy_now(),
             jobs=self.stats.jobs,
             batches=self.stats.batches,
             sessions=len(self.sessions),

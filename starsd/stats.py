@@ -51,15 +51,21 @@ class HubStats:
     """Hub-wide figures: drafting busy time against wall time since start."""
 
     started: float = field(default_factory=time.perf_counter)
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # completed batches
+    batch_started: float | None = None  # the batch being drafted now, if any
     batches: int = 0
     jobs: int = 0
     messages: int = 0
     errors_sent: int = 0
 
+    def busy_now(self) -> float:
+        """Busy seconds so far, counting the batch in progress up to now."""
+        started = self.batch_started
+        return self.busy_s + (time.perf_counter() - started if started is not None else 0.0)
+
     def busy_fraction(self) -> float:
         wall = time.perf_counter() - self.started
-        return self.busy_s / wall if wall > 0 else 0.0
+        return self.busy_now() / wall if wall > 0 else 0.0
 
     def line(self, sessions: int, targets: int) -> str:
         return (
