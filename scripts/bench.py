@@ -247,7 +247,7 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     central["predicted_system_tokens_per_s"] = tokens / (inputs.draft_s + inputs.verify_s)
     info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
     runs = [standalone, central]
-    for mode, n in [("distributed-1to1", 1), *[("one-for-many", n) for n in cfg.ns]]:
+    for mode, n in [("distributed-1to1", max(cfg.ns)), *[("one-for-many", n) for n in cfg.ns]]:
         print(f"[main] {mode} with {n} target process(es) ...", flush=True)
         runs.append(hub_run(cfg, procs, work, info, mode, n, inputs))
     base = standalone["system_tokens_per_s"]
@@ -258,21 +258,26 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
 
 def hub_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, mode: str, n: int,
             inputs: analytic.ModelInputs) -> dict:  # fmt: skip
-    """A fresh hub and ``n`` target processes; one record."""
-    hub, endpoint = start_hub(procs, cfg.draft, work / f"hub-{mode}-{n}.log",
-                              "--gamma", str(cfg.gamma))  # fmt: skip
-    before = transport.run_loop(hub_stats(endpoint, info))
-    rows = run_targets(cfg, procs, work, [endpoint] * n, f"{mode}-{n}")
-    after = transport.run_loop(hub_stats(endpoint, info))
-    stop(hub)
+    """``n`` target processes and fresh hubs: one shared (one-for-many) or one each (1:1)."""
+    n_hubs = 1 if mode == "one-for-many" else n
+    hubs = [start_hub(procs, cfg.draft, work / f"hub-{mode}-{n}-{i}.log", "--gamma",
+                      str(cfg.gamma)) for i in range(n_hubs)]  # fmt: skip
+    endpoints = [ep for _, ep in hubs]
+    before = [transport.run_loop(hub_stats(ep, info)) for ep in endpoints]
+    rows = run_targets(cfg, procs, work, (endpoints * n)[:n], f"{mode}-{n}")
+    after = [transport.run_loop(hub_stats(ep, info)) for ep in endpoints]
+    for proc, _ in hubs:
+        stop(proc)
     decode_wall = max(sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in t)
                       for t in rows)  # fmt: skip
-    _, queue_ms = busy_between(before, after)
+    busy = sum(a.busy_s - b.busy_s for a, b in zip(after, before, strict=True)) / len(hubs)
+    queue_ms = sum(busy_between(b, a)[1] for a, b in zip(after, before, strict=True)) / len(hubs)
+    per_hub = 1 if mode == "distributed-1to1" else n  # targets each hub serves
     return targets_record(
-        mode, rows, cfg.gamma, hub_busy_fraction=min(1.0, (after.busy_s - before.busy_s)
-                                                     / decode_wall),
+        mode, rows, cfg.gamma, hub_busy_fraction=min(1.0, busy / decode_wall),
         queue_wait_ms=queue_ms, bytes_per_round=proposal_bytes(cfg.gamma),
-        predicted_system_tokens_per_s=analytic.predict(inputs, n).system_tokens_per_s,
+        predicted_system_tokens_per_s=len(hubs) * analytic.predict(
+            inputs, per_hub).system_tokens_per_s,
     )  # fmt: skip
 
 
