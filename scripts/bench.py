@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import PROMPTS as HARNESS_PROMPTS
 from harness import REPO, Processes, start_hub, stop
 
 from edge.client import HubClient, TargetInfo
@@ -30,14 +31,7 @@ from starsd.drafter import Drafter, DraftJob
 from starsd.protocol import SamplingParams, Stats
 from starsd.stats import latency_summary
 
-PROMPTS = [
-    "ROMEO:\nBut soft, what light",
-    "HAMLET:\nTo be, or not to be,",
-    "KING RICHARD III:\nNow is the winter",
-    "JULIET:\nO Romeo, Romeo,",
-    "MACBETH:\nTo-morrow, and to-morrow,",
-    "PORTIA:\nThe quality of mercy",
-]
+PROMPTS = HARNESS_PROMPTS[:6]
 
 
 @dataclass(frozen=True)

@@ -23,19 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from harness import REPO, Processes, start_hub
+from harness import PROMPTS, REPO, Processes, start_hub
 
-PROMPTS = [
-    "ROMEO:\nBut soft, what light",
-    "HAMLET:\nTo be, or not to be,",
-    "KING RICHARD III:\nNow is the winter",
-    "JULIET:\nO Romeo, Romeo,",
-    "MACBETH:\nTo-morrow, and to-morrow,",
-    "PORTIA:\nThe quality of mercy",
-    "First Citizen:\nBefore we proceed any further,",
-    "OTHELLO:\nIt is the cause, my soul,",
-    "PROSPERO:\nOur revels now are ended.",
-]
 SAMPLED = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 1}
 
 

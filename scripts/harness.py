@@ -10,6 +10,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# Opening lines in the default models' corpus (play-formatted Shakespeare).
+PROMPTS = [
+    "ROMEO:\nBut soft, what light",
+    "HAMLET:\nTo be, or not to be,",
+    "KING RICHARD III:\nNow is the winter",
+    "JULIET:\nO Romeo, Romeo,",
+    "MACBETH:\nTo-morrow, and to-morrow,",
+    "PORTIA:\nThe quality of mercy",
+    "First Citizen:\nBefore we proceed any further,",
+    "OTHELLO:\nIt is the cause, my soul,",
+    "PROSPERO:\nOur revels now are ended.",
+]
 
 
 class Processes:
