@@ -86,17 +86,10 @@ class HubClient:
 
     def _check_welcome(self, welcome: Welcome) -> None:
         # The hub checks too; checking here as well means a lax or old hub cannot slip through.
-        problems = []
-        if welcome.vocab_size != self.info.vocab_size:
-            problems.append(
-                f"vocab_size differs (hub {welcome.vocab_size}, target {self.info.vocab_size})"
-            )
-        if welcome.tokenizer != self.info.tokenizer:
-            problems.append(
-                f"tokenizer differs (hub {welcome.tokenizer}, target {self.info.tokenizer})"
-            )
+        hello = Hello(self.info.model, self.info.vocab_size, self.info.tokenizer)
+        problems = protocol.compatibility_problems(welcome, hello)
         if problems:
-            raise HubError(protocol.ErrorCode.INCOMPATIBLE, "; ".join(problems))
+            raise HubError(protocol.ErrorCode.INCOMPATIBLE, problems)
 
     async def open(
         self, prompt: list[int], params: SamplingParams, gamma: int

@@ -106,7 +106,6 @@ class Hub:
         self.q_out: asyncio.Queue[tuple[list[DraftJob], list[Proposal | Error], float]]
         self.stopping = asyncio.Event()
         self.endpoint = ""
-        self._ready = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -120,7 +119,6 @@ class Hub:
         worker.start()
         log.info("hub listening on %s (plain text; draft %s, epoch %s)",
                  self.endpoint, self.welcome.model, self.welcome.epoch.hex()[:8])  # fmt: skip
-        self._ready.set()
         tasks = [
             asyncio.create_task(self._receive_loop(sock)),
             asyncio.create_task(self._send_loop(sock)),
@@ -265,7 +263,7 @@ class Hub:
                 ErrorCode.VERSION_MISMATCH,
                 f"target speaks protocol {msg.version}, hub {protocol.PROTOCOL_VERSION}",
             )
-        differences = compatibility_problems(self.welcome, msg)
+        differences = protocol.compatibility_problems(self.welcome, msg)
         if differences:
             log.warning("refused target %s (%s): %s", peer.stats.name, msg.model, differences)
             return Error(ErrorCode.INCOMPATIBLE, f"target refused: {differences}")
@@ -387,18 +385,6 @@ class _SessionError(ProtocolError):
         super().__init__(code, message)
         self.tag = tag
         self.seq = seq
-
-
-def compatibility_problems(welcome: Welcome, hello: Hello) -> str:
-    """What differs between hub and target that makes ids mean different things ('' if none)."""
-    problems = []
-    if hello.vocab_size != welcome.vocab_size:
-        problems.append(f"vocab_size differs (hub {welcome.vocab_size}, target {hello.vocab_size})")
-    if hello.tokenizer != welcome.tokenizer:
-        problems.append(
-            f"tokenizer differs (hub {welcome.tokenizer}, target {hello.tokenizer})"
-        )
-    return "; ".join(problems)
 
 
 # ---------------------------------------------------------------------- entry point

@@ -244,6 +244,17 @@ MESSAGE_TYPES: dict[int, type] = {
     )
 }  # fmt: skip
 
+def compatibility_problems(welcome: Welcome, hello: Hello) -> str:
+    """What differs between hub and target that makes token ids mean different things ('' if
+    nothing). Both sides run it: the hub on HELLO, the target on WELCOME."""
+    problems = []
+    if hello.vocab_size != welcome.vocab_size:
+        problems.append(f"vocab_size differs (hub {welcome.vocab_size}, target {hello.vocab_size})")
+    if hello.tokenizer != welcome.tokenizer:
+        problems.append(f"tokenizer differs (hub {welcome.tokenizer}, target {hello.tokenizer})")
+    return "; ".join(problems)
+
+
 # Schema: for every field, the accepted python types after msgpack decoding. Array fields are
 # listed separately with their allowed dtypes and rank.
 _INT = (int,)
