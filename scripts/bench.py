@@ -16,19 +16,19 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from harness import PROMPTS as HARNESS_PROMPTS
-from harness import REPO, Processes, start_hub, stop
+from harness import REPO, Processes, start_hub, stop, wait_for_line
 
 from edge.client import HubClient, TargetInfo
 from edge.verifier import TargetSequence
 from starsd import analytic, models, transport
 from starsd.drafter import Drafter, DraftJob
-from starsd.protocol import SamplingParams, Stats
+from starsd.protocol import Hello, SamplingParams, Stats
 from starsd.stats import latency_summary
 
 PROMPTS = HARNESS_PROMPTS[:6]
@@ -118,29 +118,6 @@ def bench_centralized(target: models.LoadedModel, draft: models.LoadedModel, cfg
     )  # fmt: skip
     return record, {"draft_s": draft_s / rounds, "verify_s": verify_s / rounds,
                     "mean_accepted": accepted / rounds}  # fmt: skip
-
-
-async def echo_round_trip(samples: int = 300) -> float:
-    """Mean DEALER -> ROUTER -> DEALER round trip of a small message, asyncio, loopback."""
-    ctx = transport.new_context()
-    router = transport.router(ctx, "tcp://127.0.0.1:*")
-    dealer = transport.dealer(ctx, transport.bound_endpoint(router))
-    payload = [b"\x01\x08" + b"\x81\xa5nonce\x01"]
-    times = []
-    try:
-        for _ in range(samples):
-            t0 = time.perf_counter()
-            await dealer.send_multipart(payload)
-            peer, *frames = await router.recv_multipart()
-            await router.send_multipart([peer, *frames])
-            await dealer.recv_multipart()
-            times.append(time.perf_counter() - t0)
-    finally:
-        dealer.close(linger=0)
-        router.close(linger=0)
-        ctx.term()
-    times.sort()
-    return sum(times[samples // 10 :]) / len(times[samples // 10 :])  # skip warm-up outliers
 
 
 # ---------------------------------------------------------------------- multi-process modes
@@ -233,19 +210,20 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     print("[main] standalone and centralized (in process) ...", flush=True)
     standalone, t_ar = bench_standalone(target, cfg)
     central, measured = bench_centralized(target, draft, cfg)
-    link = transport.run_loop(echo_round_trip())
+    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
+    overhead = hub_overhead(cfg, procs, work, info)
+    link = overhead["round_ms"] / 1e3
     alpha = analytic.alpha_from_mean_accepted(measured["mean_accepted"], cfg.gamma)
     inputs = analytic.ModelInputs(alpha, cfg.gamma, measured["draft_s"], measured["verify_s"],
                                   link, t_ar)  # fmt: skip
     tokens = analytic.expected_tokens_per_round(alpha, cfg.gamma)
     central["predicted_system_tokens_per_s"] = tokens / (inputs.draft_s + inputs.verify_s)
-    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
     runs = [standalone, central]
     for mode, n in [("distributed-1to1", max(cfg.ns)), *[("one-for-many", n) for n in cfg.ns]]:
         print(f"[main] {mode} with {n} target process(es) ...", flush=True)
         runs.append(hub_run(cfg, procs, work, info, mode, n, inputs))
     base = standalone["system_tokens_per_s"]
-    return {"runs": runs, "model_inputs": asdict(inputs), "link_round_trip_ms": 1e3 * link,
+    return {"runs": runs, "model_inputs": asdict(inputs), "hub_overhead": overhead,
             "speedup_vs_standalone": {f"{r['mode']}/{r['n_targets']}":
                                       r["system_tokens_per_s"] / base for r in runs}}  # fmt: skip
 
@@ -289,8 +267,14 @@ def emulated_run(cfg: BenchConfig, procs: Processes, work: Path, endpoint: str, 
 
 
 def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
-    """Emulated targets against the real hub: N swept, the model's prediction beside each."""
-    link = transport.run_loop(echo_round_trip())
+    """Emulated targets against the real hub: N swept, the model's prediction beside each.
+
+    The model's inputs come from the same run: the link time is the null-drafter round (bare
+    echo plus the hub's own path), S(d) is the hub's busy time per proposal over the whole sweep.
+    """
+    target = models.load_causal_lm(cfg.target)
+    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
+    overhead = hub_overhead(cfg, procs, work, info)
     hub, endpoint = start_hub(procs, cfg.draft, work / "hub-scale.log", "--gamma",
                               str(cfg.gamma), "--max-sessions", "4096")  # fmt: skip
     reports = []
@@ -298,15 +282,39 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         print(f"[scale] {n} emulated targets ...", flush=True)
         reports.append(emulated_run(cfg, procs, work, endpoint, n, cfg.verify_ms, cfg.duration))
     stop(hub)
-    inputs = analytic.ModelInputs(cfg.alpha, cfg.gamma, reports[0]["draft_service_s"],
-                                  cfg.verify_ms / 1e3, link, cfg.verify_ms / 1e3)  # fmt: skip
+    draft_s = sum(r["hub_busy_s"] for r in reports) / sum(r["hub_jobs"] for r in reports)
+    verify_s = sum(r["verify_ms"] for r in reports) / len(reports) / 1e3
+    inputs = analytic.ModelInputs(cfg.alpha, cfg.gamma, draft_s, verify_s,
+                                  overhead["round_ms"] / 1e3, cfg.verify_ms / 1e3)  # fmt: skip
     runs = [run_record("emulated", r["n_targets"], **{k: r[k] for k in _EMULATED_KEYS},
-                       predicted_system_tokens_per_s=analytic.predict(
-                           inputs, r["n_targets"]).system_tokens_per_s)
+                       draft_service_ms=1e3 * r["draft_service_s"], verify_ms=r["verify_ms"],
+                       predicted_system_tokens_per_s=emulated_prediction(inputs, r))
             for r in reports]  # fmt: skip
-    overhead = hub_overhead(cfg, procs, work, link)
     return {"runs": runs, "model_inputs": asdict(inputs), **saturation(runs, inputs),
-            "hub_overhead": overhead, "link_round_trip_ms": 1e3 * link}  # fmt: skip
+            "latency_std_ms": latency_steadiness(runs, analytic.saturation_point(inputs)),
+            "hub_overhead": overhead}  # fmt: skip
+
+
+def emulated_prediction(inputs: analytic.ModelInputs, report: dict) -> float:
+    """The model for one run: the sweep's S(d) and link, this run's acceptance and verify time.
+
+    The acceptance draws and the event loop's timer are the emulated target's, not the hub's, so
+    the model takes what they actually were in the run (a short run's sample of alpha = 0.7 can
+    be 10% off in E[L]; a 8 ms sleep lasts 8.5-9 ms).
+    """
+    alpha = analytic.alpha_from_mean_accepted(report["mean_accepted"], inputs.gamma)
+    run_inputs = replace(inputs, alpha=alpha, verify_s=report["verify_ms"] / 1e3)
+    return analytic.predict(run_inputs, report["n_targets"]).system_tokens_per_s
+
+
+def latency_steadiness(runs: list[dict], n_full: int) -> dict:
+    """Per-token latency std at N_full against N = 1, which is exactly a 1:1 hub/target pair."""
+    one = next(r for r in runs if r["n_targets"] == 1)
+    full = min(runs, key=lambda r: abs(r["n_targets"] - n_full))
+    return {"one_to_one": one["latency_ms"]["std"], "at_n_full": full["latency_ms"]["std"],
+            "n_full_run": full["n_targets"],
+            "cv_one_to_one": one["latency_ms"]["std"] / one["latency_ms"]["mean"],
+            "cv_at_n_full": full["latency_ms"]["std"] / full["latency_ms"]["mean"]}  # fmt: skip
 
 
 _EMULATED_KEYS = ("system_tokens_per_s", "per_target_tokens_per_s", "hub_busy_fraction",
@@ -315,10 +323,14 @@ _EMULATED_KEYS = ("system_tokens_per_s", "per_target_tokens_per_s", "hub_busy_fr
 
 
 def saturation(runs: list[dict], inputs: analytic.ModelInputs) -> dict:
-    """Measured N_full (first N within 5% of the best system throughput) against the model's."""
-    best = max(r["system_tokens_per_s"] for r in runs)
-    measured = next(r["n_targets"] for r in runs if r["system_tokens_per_s"] >= 0.95 * best)
+    """Measured N_full against the model's.
+
+    Measured N_full is the first swept N at which the hub no longer idles (busy >= 0.95), the
+    model's definition of the fully-loaded regime (T_idle = 0); the sweep's steps are powers of
+    two, so the model's N_full matches when it lies within one step of it.
+    """
     ns = [r["n_targets"] for r in runs]
+    measured = next((r["n_targets"] for r in runs if r["hub_busy_fraction"] >= 0.95), ns[-1])
     model = analytic.saturation_point(inputs)
     model_step = next((i for i, n in enumerate(ns) if n >= model), len(ns) - 1)
     errors = [abs(r["system_tokens_per_s"] / r["predicted_system_tokens_per_s"] - 1) for r in runs]
@@ -327,15 +339,20 @@ def saturation(runs: list[dict], inputs: analytic.ModelInputs) -> dict:
             "max_prediction_error": max(errors)}  # fmt: skip
 
 
-def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, link: float) -> dict:
-    """Round time with a null drafter and no verify, against the bare ZeroMQ round trip."""
-    print("[scale] hub overhead (null drafter) ...", flush=True)
-    hub, endpoint = start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null")
-    report = emulated_run(cfg, procs, work, endpoint, 1, 0.0, min(cfg.duration, 3.0))
-    stop(hub)
-    round_ms, echo_ms = report["round_ms"], 1e3 * link
-    return {"round_ms": round_ms, "echo_round_trip_ms": echo_ms,
-            "added_ms": round_ms - echo_ms, "added_over_echo": (round_ms - echo_ms) / echo_ms}
+def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo) -> dict:
+    """Null-drafter hub round against a bare ZeroMQ echo process (see scripts/overhead.py)."""
+    import overhead
+
+    print("[overhead] hub round (null drafter) against a bare ZeroMQ echo ...", flush=True)
+    echo = procs.start([str(REPO / "scripts" / "zmq_echo.py")], work / "echo.log")
+    echo_ep = wait_for_line(work / "echo.log", r"echo listening on (tcp://\S+)", echo)
+    hub, hub_ep = start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null")
+    hello = Hello(info.model, info.vocab_size, info.tokenizer)
+    try:
+        return overhead.measure(echo_ep, hub_ep, hello, rounds=500 if cfg.quick else 2000)
+    finally:
+        stop(hub)
+        stop(echo)
 
 
 # ---------------------------------------------------------------------- report

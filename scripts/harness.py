@@ -58,15 +58,21 @@ def start_hub(procs: Processes, draft: str, log: Path, *extra: str,
     """Start ``python -m starsd.hub`` and wait for its endpoint (read from its log)."""
     proc = procs.start(["-m", "starsd.hub", "--model", draft, "--bind", bind, *extra], log,
                        prefix)  # fmt: skip
-    deadline = time.monotonic() + 120
+    return proc, wait_for_line(log, r"hub listening on (tcp://\S+)", proc)
+
+
+def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen[bytes],
+                  timeout: float = 120) -> str:  # fmt: skip
+    """First group of ``pattern`` once it appears in ``log``; raises if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = re.search(r"hub listening on (tcp://\S+)", log.read_text())
+        found = re.search(pattern, log.read_text())
         if found:
-            return proc, found.group(1)
+            return found.group(1)
         if proc.poll() is not None:
-            raise RuntimeError(f"hub exited:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"{proc.args} exited:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
-    raise RuntimeError("hub did not start within 120 s")
+    raise RuntimeError(f"{pattern!r} did not appear in {log} within {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:

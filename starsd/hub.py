@@ -114,7 +114,7 @@ class Hub:
         loop = asyncio.get_running_loop()
         self.q_out = asyncio.Queue()
         sock = transport.router(ctx, self.config.bind)
-        self.endpoint = transport.bound_endpoint(sock)
+        self.endpoint = sock.endpoint
         worker = threading.Thread(target=self._drafting_loop, args=(loop,), name="drafter")
         worker.start()
         log.info("hub listening on %s (plain text; draft %s, epoch %s)",
@@ -132,7 +132,7 @@ class Hub:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.q_in.put(None)
             await asyncio.to_thread(worker.join)
-            sock.close(linger=0)
+            sock.close()
             self._log_summary()
 
     def stop(self) -> None:
@@ -144,11 +144,12 @@ class Hub:
     def _drafting_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         while (job := self.q_in.get()) is not None:
             batch = [job, *self._take_pending()]
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             self.stats.batch_started = started
             results = self.drafter.propose(batch)
             self.stats.batch_started = None
             self.stats.busy_s += time.perf_counter() - started
+            self.stats.busy_cpu_s += time.thread_time() - cpu_started
             self.stats.batches += 1
             self.stats.jobs += len(batch)
             loop.call_soon_threadsafe(self.q_out.put_nowait, (batch, results, started))
@@ -168,14 +169,14 @@ class Hub:
 
     # ------------------------------------------------------------------ event loop
 
-    async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
+    async def _receive_loop(self, sock: transport.Router) -> None:
         while True:
             for received in await transport.drain_router(sock):
                 self.stats.messages += 1
                 for reply in self.handle(received.peer, received.frames):
                     self._send(sock, received.peer, reply)
 
-    async def _send_loop(self, sock: zmq.asyncio.Socket) -> None:
+    async def _send_loop(self, sock: transport.Router) -> None:
         while True:
             batch, results, started = await self.q_out.get()
             for job, result in zip(batch, results, strict=True):
@@ -189,14 +190,14 @@ class Hub:
                 reported = self.stats.jobs
                 self._log_stats()
 
-    def _send(self, sock: zmq.asyncio.Socket, peer: bytes, msg: protocol.Message) -> None:
+    def _send(self, sock: transport.Router, peer: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, Error):
             self.stats.errors_sent += 1
             log.info("-> %s ERROR %s: %s", peer.hex()[:8], msg.code, msg.message)
         transport.send_to(sock, peer, msg)
 
     def _deliver(
-        self, sock: zmq.asyncio.Socket, job: DraftJob, result: Proposal | Error,
+        self, sock: transport.Router, job: DraftJob, result: Proposal | Error,
         started: float,
     ) -> None:  # fmt: skip
         session = self.sessions.get(job.tag)

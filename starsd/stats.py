@@ -51,7 +51,8 @@ class HubStats:
     """Hub-wide figures: drafting busy time against wall time since start."""
 
     started: float = field(default_factory=time.perf_counter)
-    busy_s: float = 0.0  # completed batches
+    busy_s: float = 0.0  # completed batches, wall time
+    busy_cpu_s: float = 0.0  # the drafting thread's CPU time in those batches
     batch_started: float | None = None  # the batch being drafted now, if any
     batches: int = 0
     jobs: int = 0
@@ -71,6 +72,8 @@ class HubStats:
         return (
             f"hub: targets={targets} sessions={sessions} jobs={self.jobs} "
             f"batches={self.batches} draft_busy={self.busy_fraction():.3f} "
+            f"draft_ms_per_job={1e3 * self.busy_s / max(self.jobs, 1):.2f} "
+            f"cpu_ms_per_job={1e3 * self.busy_cpu_s / max(self.jobs, 1):.2f} "
             f"messages={self.messages} errors_sent={self.errors_sent}"
         )
 

@@ -41,7 +41,30 @@ def new_context() -> zmq.asyncio.Context:
     return zmq.asyncio.Context()
 
 
-def router(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+@dataclass(frozen=True)
+class Router:
+    """The hub's ROUTER socket: asyncio for waiting, a synchronous shadow for NOBLOCK I/O.
+
+    Both objects wrap the same libzmq socket. Non-blocking receives and sends on the shadow skip
+    zmq.asyncio's future machinery (~50 us per call measured on this VM); only waiting for input
+    goes through asyncio. Everything runs on the event loop thread, so the socket is never shared
+    between threads.
+    """
+
+    sock: zmq.asyncio.Socket
+    raw: zmq.Socket
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint actually bound (port 0 / wildcard resolved)."""
+        return bound_endpoint(self.sock)
+
+    def close(self) -> None:
+        """Close without lingering."""
+        self.sock.close(linger=0)
+
+
+def router(ctx: zmq.asyncio.Context, endpoint: str) -> Router:
     """The hub's ROUTER socket, bound to ``endpoint``."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -50,7 +73,7 @@ def router(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.bind(endpoint)
-    return sock
+    return Router(sock, zmq.Socket.shadow(sock.underlying))
 
 
 def dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
@@ -64,21 +87,21 @@ def dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
     return sock
 
 
-def bound_endpoint(sock: zmq.asyncio.Socket) -> str:
+def bound_endpoint(sock: zmq.Socket) -> str:
     """The endpoint a socket actually bound (resolves port 0 / wildcard binds)."""
     return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
 
-async def drain_router(sock: zmq.asyncio.Socket, limit: int = 1024) -> list[Received]:
+async def drain_router(router: Router, limit: int = 1024) -> list[Received]:
     """Wait for input, then take every message already queued (up to ``limit``) without waiting.
 
     Draining instead of awaiting each message keeps per-message overhead low on a busy hub.
     """
-    await sock.poll()  # POLLIN
+    await router.sock.poll()  # POLLIN
     batch: list[Received] = []
     while len(batch) < limit:
         try:
-            frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            frames = router.raw.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             break
         if len(frames) < 2:  # ROUTER always prepends the routing id; anything else is noise
@@ -87,22 +110,19 @@ async def drain_router(sock: zmq.asyncio.Socket, limit: int = 1024) -> list[Rece
     return batch
 
 
-def send_to(sock: zmq.asyncio.Socket, peer: bytes, msg: protocol.Message) -> bool:
+def send_to(router: Router, peer: bytes, msg: protocol.Message) -> bool:
     """Send ``msg`` to ``peer`` without blocking; False (and a log line) if it cannot go now."""
-    # On a zmq.asyncio socket a NOBLOCK send completes at once and reports failure through
-    # the returned future, not by raising.
-    frames = [peer, *protocol.encode(msg)]
-    sent: Any = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-    exc = sent.exception() if sent.done() else None
-    if exc is None:
-        return True
-    if isinstance(exc, zmq.Again):
+    try:
+        router.raw.send_multipart([peer, *protocol.encode(msg)], flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
         log.warning("peer %s is not reading (HWM reached): dropped %s", peer.hex(), _kind(msg))
-    elif isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
+        return False
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
         log.info("peer %s is gone: dropped %s", peer.hex(), _kind(msg))
-    else:
-        raise exc
-    return False
+        return False
+    return True
 
 
 async def send(sock: zmq.asyncio.Socket, msg: protocol.Message) -> None:

@@ -40,10 +40,13 @@ async def test_emulated_run_fills_the_json_contract(
     inputs = analytic.ModelInputs(0.6, 4, report["draft_service_s"], 0.002, 0.0002, 0.002)
     record = bench.run_record(
         "emulated", 3, **{k: report[k] for k in bench._EMULATED_KEYS},
-        predicted_system_tokens_per_s=analytic.predict(inputs, 3).system_tokens_per_s,
+        predicted_system_tokens_per_s=bench.emulated_prediction(inputs, report),
     )  # fmt: skip
     assert set(record) >= CONTRACT
     assert all(record[k] is not None for k in CONTRACT)
     assert record["mode"] == "emulated" and record["n_targets"] == 3
     summary = bench.saturation([record], inputs)
     assert summary["n_full_measured"] == 3 and summary["n_full_model"] >= 1
+    steadiness = bench.latency_steadiness([{**record, "n_targets": 1}], summary["n_full_model"])
+    assert steadiness["one_to_one"] == steadiness["at_n_full"] == record["latency_ms"]["std"]
+

@@ -1,0 +1,94 @@
+"""Hub overhead probe: the hub's per-round time against a bare ZeroMQ echo, measured side by side.
+
+One blocking DEALER client (so client-side asyncio costs stay out of the comparison) times three
+round trips, alternated A B C A B C so this machine's speed drift hits all of them alike:
+
+* echo:  scripts/zmq_echo.py, the same socket options and drain loop as the hub, no protocol;
+* ping:  PING -> PONG through the hub, i.e. decode, dispatch and encode on the event loop;
+* round: DRAFT -> PROPOSAL through a hub running the null drafter, i.e. the whole round path,
+  including the handoff to the drafting thread and back, with no model work.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import zmq
+
+from starsd import protocol
+from starsd.protocol import Draft, Hello, Open, Opened, Ping, SamplingParams
+
+
+def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(endpoint)
+    return sock
+
+
+def _call(sock: zmq.Socket, msg: protocol.Message) -> protocol.Message:
+    sock.send_multipart(protocol.encode(msg))
+    return protocol.decode(sock.recv_multipart(copy=False))
+
+
+def _open_session(sock: zmq.Socket, hello: Hello, gamma: int) -> bytes:
+    _call(sock, hello)
+    opened = _call(sock, Open(1, np.array([1, 2, 3], np.int32), SamplingParams(), gamma))
+    if not isinstance(opened, Opened):
+        raise RuntimeError(f"hub refused OPEN: {opened}")
+    protocol.decode(sock.recv_multipart(copy=False))  # PROPOSAL seq 0
+    return opened.tag
+
+
+def _median_ms(step: Callable[[], object], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def measure(echo_ep: str, hub_ep: str, hello: Hello, rounds: int = 1000, reps: int = 3) -> dict:
+    """Median round-trip milliseconds of echo, hub PING and hub null-drafter round, A B C x reps."""
+    ctx = zmq.Context()
+    echo, hub = _dealer(ctx, echo_ep), _dealer(ctx, hub_ep)
+    try:
+        tag = _open_session(hub, hello, gamma=4)
+        ping = protocol.encode(Ping(1))
+        seq = iter(range(1, 10**9))
+        steps = {
+            "echo": lambda: (echo.send_multipart(ping), echo.recv_multipart(copy=False)),
+            "ping": lambda: _call(hub, Ping(1)),
+            "round": lambda: _call(hub, Draft(tag, next(seq), 0, np.array([5], np.int32))),
+        }
+        for step in steps.values():
+            _median_ms(step, rounds // 10)  # warm-up
+        samples: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(reps):
+            for name, step in steps.items():
+                samples[name].append(_median_ms(step, rounds))
+    finally:
+        echo.close()
+        hub.close()
+        ctx.term()
+    return summary(samples)
+
+
+def summary(samples: dict[str, list[float]]) -> dict:
+    """Per-probe medians and the hub's added time as a multiple of the bare echo."""
+    echo_ms, ping_ms, round_ms = (statistics.median(samples[k]) for k in ("echo", "ping", "round"))
+    return {
+        "echo_round_trip_ms": echo_ms,
+        "ping_ms": ping_ms,
+        "round_ms": round_ms,
+        "added_ms": round_ms - echo_ms,
+        "added_over_echo": (round_ms - echo_ms) / echo_ms,
+        "loop_added_ms": ping_ms - echo_ms,
+        "handoff_added_ms": round_ms - ping_ms,
+        "samples_ms": samples,
+    }

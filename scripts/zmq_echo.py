@@ -1,0 +1,51 @@
+"""A bare ZeroMQ echo service: the hub's socket setup and drain loop, no protocol and no threads.
+
+    python scripts/zmq_echo.py --bind tcp://127.0.0.1:*
+
+The benchmarks measure the hub's per-round overhead against this process's round trip, so both
+sides of the comparison cross the same process boundary on the same event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+
+import zmq
+
+from starsd import transport
+
+
+@dataclass(frozen=True)
+class EchoConfig:
+    """What scripts/zmq_echo.py is told."""
+
+    bind: str = "tcp://127.0.0.1:*"
+
+
+async def serve(cfg: EchoConfig) -> None:
+    """Reflect every message to its sender until cancelled."""
+    ctx = transport.new_context()
+    router = transport.router(ctx, cfg.bind)
+    print(f"echo listening on {router.endpoint}", flush=True)
+    try:
+        while True:
+            for received in await transport.drain_router(router):
+                router.raw.send_multipart([received.peer, *received.frames], zmq.NOBLOCK)
+    except asyncio.CancelledError:
+        pass
+    finally:
+        router.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bind", default=EchoConfig.bind)
+    transport.run_loop(serve(EchoConfig(**vars(p.parse_args(argv)))))
+
+
+if __name__ == "__main__":
+    main()
