@@ -23,6 +23,7 @@ help:
 	@echo "make lint        ruff + mypy"
 	@echo "make models      re-train the default target/draft pair (~5 min on 2 cores)"
 	@echo "make eval-models re-measure the default pair into results/eval-models.json"
+	@echo "make eagle-head  train + evaluate the EAGLE-1 head -> models/starsd-eagle (~5 min)"
 	@echo "make bench       all modes side by side -> results/bench.json + .png  [QUICK=1]"
 	@echo "make bench-scale emulated targets up to N=128, N_full -> results/bench-scale.json [QUICK=1]"
 	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
@@ -63,6 +64,10 @@ models: $(STAMP)
 eval-models: $(STAMP)
 	$(BIN)/python scripts/eval_models.py
 	$(BIN)/python scripts/write_model_cards.py
+
+.PHONY: eagle-head
+eagle-head: $(STAMP)
+	$(BIN)/python scripts/train_eagle_head.py
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py --suite main $(BENCH_ARGS)
