@@ -2,6 +2,13 @@
 
 The receive loop decodes every message at the boundary and routes it to the waiting sequence by
 its ``ref`` (OPENED, errors before a tag exists) or its session tag (PROPOSAL, later errors).
+
+Liveness: the client PINGs every heartbeat interval the hub announced in WELCOME (that keeps its
+lease), and it considers the hub down when it has heard nothing for 3 intervals, when a reply
+carries another epoch (the hub restarted), or on NOT_WELCOMED / SHUTTING_DOWN. While the hub is
+down, a background task re-sends HELLO every interval; each accepted WELCOME starts a new
+``generation``, and sessions of older generations are gone. Sequences never wait for any of
+this: they read ``up`` and ``generation`` and decode on their own meanwhile (edge.speculate).
 """
 
 from __future__ import annotations
@@ -9,16 +16,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import zmq.asyncio
 
-from starsd import protocol, transport
+from starsd import protocol, security, transport
 from starsd.protocol import (
     Close,
     Draft,
     Error,
+    ErrorCode,
     Hello,
     Open,
     Opened,
@@ -33,6 +42,10 @@ from starsd.protocol import (
 
 log = logging.getLogger("edge.client")
 
+# Errors that mean "this connection is not (or no longer) known to the hub".
+_HUB_LOST = frozenset({ErrorCode.NOT_WELCOMED, ErrorCode.SHUTTING_DOWN,
+                       ErrorCode.UNAUTHENTICATED})  # fmt: skip
+
 
 class HubError(RuntimeError):
     """The hub answered with ERROR (or could not be understood)."""
@@ -40,6 +53,13 @@ class HubError(RuntimeError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"hub error {code}: {message}")
         self.code = code
+
+
+class HubUnavailable(HubError):
+    """No usable answer from the hub in time; the caller decodes without it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("UNAVAILABLE", message)
 
 
 @dataclass(frozen=True)
@@ -52,56 +72,114 @@ class TargetInfo:
 
 
 class HubClient:
-    """Session-level API over the DEALER socket: ``open``, ``draft``, ``close``."""
+    """Session-level API over the DEALER socket: ``open``, ``draft``, ``close_session``."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, info: TargetInfo) -> None:
-        self.sock = transport.dealer(ctx, endpoint)
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, info: TargetInfo,
+        curve: security.CurveClientConfig | None = None,
+    ) -> None:  # fmt: skip
+        self.sock, self._watch = transport.dealer(ctx, endpoint, curve)
         self.info = info
-        self.welcome: Welcome | None = None
+        self.welcome: Welcome | None = None  # None while the hub is down or not yet reached
+        self.generation = 0
+        self.last_heard = time.monotonic()
+        self.heartbeat_s = 1.0
         self._refs = itertools.count(1)
         self._waiting: dict[int | bytes, asyncio.Queue[protocol.Message]] = {}
         self._hello: asyncio.Future[protocol.Message] | None = None
-        self._reader: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Future[None]] = set()
         self._stats: dict[int, asyncio.Future[Stats]] = {}
 
+    @property
+    def up(self) -> bool:
+        """Whether the hub is currently believed to be serving this target."""
+        return self.welcome is not None
+
     async def connect(self, timeout: float = 10.0) -> Welcome:
-        """HELLO/WELCOME handshake; raises HubError if the hub refuses this target."""
+        """First HELLO/WELCOME; raises HubError if refused, HubUnavailable if no answer.
+
+        With CURVE a rejected key raises security.HandshakeRejected within a second. Either
+        way the liveness tasks keep running, so a hub that comes up later is picked up.
+        """
+        if self._watch is not None:
+            await self._watch.wait(timeout_s=min(timeout, 1.0))
+        self._tasks = [asyncio.create_task(self._read_loop()),
+                       asyncio.create_task(self._liveness_loop())]  # fmt: skip
+        return await self._handshake(timeout)
+
+    async def _handshake(self, timeout: float) -> Welcome:
         self._hello = asyncio.get_running_loop().create_future()
-        self._reader = asyncio.create_task(self._read_loop())
         await transport.send(self.sock, Hello(self.info.model, self.info.vocab_size,
                                               self.info.tokenizer))  # fmt: skip
         try:
-            reply = await asyncio.wait_for(self._hello, timeout)
+            reply = await asyncio.wait_for(asyncio.shield(self._hello), timeout)
         except asyncio.TimeoutError:
-            raise HubError("TIMEOUT", f"no WELCOME from the hub within {timeout:.0f} s") from None
+            raise HubUnavailable(f"no WELCOME from the hub within {timeout:.1f} s") from None
         if isinstance(reply, Error):
             raise HubError(reply.code, reply.message)
         assert isinstance(reply, Welcome)
         self._check_welcome(reply)
-        self.welcome = reply
-        log.info("connected to hub %s (draft %s, gamma %d)", reply.epoch.hex()[:8], reply.model,
-                 reply.default_gamma)  # fmt: skip
+        self._welcomed(reply)
         return reply
+
+    def _welcomed(self, welcome: Welcome) -> None:
+        self.welcome = welcome
+        self.generation += 1
+        self.heartbeat_s = welcome.heartbeat_ms / 1000
+        self.last_heard = time.monotonic()
+        log.info("connected to hub %s (draft %s, gamma %d, generation %d)", welcome.epoch.hex(),
+                 welcome.model, welcome.default_gamma, self.generation)  # fmt: skip
 
     def _check_welcome(self, welcome: Welcome) -> None:
         # The hub checks too; checking here as well means a lax or old hub cannot slip through.
         hello = Hello(self.info.model, self.info.vocab_size, self.info.tokenizer)
         problems = protocol.compatibility_problems(welcome, hello)
         if problems:
-            raise HubError(protocol.ErrorCode.INCOMPATIBLE, problems)
+            raise HubError(ErrorCode.INCOMPATIBLE, problems)
+
+    def mark_down(self, reason: str) -> None:
+        """Stop using the hub until a new WELCOME; sessions of this generation are void."""
+        if self.welcome is not None:
+            log.warning("hub unavailable (%s): decoding without proposals until it is back",
+                        reason)  # fmt: skip
+        self.welcome = None
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            silent = time.monotonic() - self.last_heard
+            if self.up and silent > 3 * self.heartbeat_s:
+                self.mark_down(f"nothing heard for {silent:.1f} s")
+            if self.up:
+                await transport.send(self.sock, Ping(next(self._refs)))
+            else:
+                await self._try_rejoin()
+
+    async def _try_rejoin(self) -> None:
+        try:
+            await self._handshake(self.heartbeat_s)
+        except HubUnavailable:
+            pass
+        except HubError as exc:
+            log.error("hub refused this target: %s", exc)
 
     async def open(
-        self, prompt: list[int], params: SamplingParams, gamma: int
+        self, prompt: list[int], params: SamplingParams, gamma: int, timeout: float = 10.0
     ) -> tuple[bytes, asyncio.Queue[protocol.Message]]:
-        """Open a session; returns its tag and the queue its proposals arrive on."""
+        """Open a session; returns its tag and the queue its proposals arrive on.
+
+        Raises HubUnavailable after ``timeout`` (an OPENED arriving later is closed at once).
+        """
         ref = next(self._refs)
         inbox: asyncio.Queue[protocol.Message] = asyncio.Queue()
         self._waiting[ref] = inbox
         msg = Open(ref, np.asarray(prompt, dtype=np.int32), params, gamma)
-        await transport.send(self.sock, msg)
         try:
-            reply = await inbox.get()
+            await transport.send(self.sock, msg)
+            reply = await asyncio.wait_for(inbox.get(), timeout)
+        except asyncio.TimeoutError:
+            raise HubUnavailable(f"no OPENED within {timeout:.2f} s") from None
         finally:
             del self._waiting[ref]
         if isinstance(reply, Error):
@@ -131,10 +209,12 @@ class HubClient:
         await transport.send(self.sock, Close(tag))
 
     async def aclose(self) -> None:
-        """Stop the reader and close the socket."""
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        """Stop the background tasks and close the socket."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._watch is not None:
+            self._watch.close()
         self.sock.close(linger=0)
 
     async def _read_loop(self) -> None:
@@ -147,16 +227,31 @@ class HubClient:
             self._route(msg)
 
     def _route(self, msg: protocol.Message) -> None:
-        match msg:
-            case Welcome() if self._hello and not self._hello.done():
+        if isinstance(msg, Welcome):
+            if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg)
+            return
+        if self._stale(msg):
+            return
+        self.last_heard = time.monotonic()
+        self._dispatch(msg)
+
+    def _stale(self, msg: protocol.Message) -> bool:
+        """A reply from another hub process than the one we were welcomed by."""
+        epoch = getattr(msg, "epoch", b"")
+        if not epoch or self.welcome is None or epoch == self.welcome.epoch:
+            return False
+        self.mark_down("the hub restarted (new epoch)")
+        return True
+
+    def _dispatch(self, msg: protocol.Message) -> None:
+        match msg:
             case Opened(ref=ref, tag=tag):
-                # Register the tag before anything else is read: PROPOSAL seq 0 may be next.
-                if ref in self._waiting:
-                    self._waiting[tag] = self._waiting[ref]
-                self._deliver(ref, msg)
+                self._opened(ref, tag, msg)
             case Proposal(tag=tag):
                 self._deliver(tag, msg)
+            case Error(code=code, tag=None, ref=None) if code in _HUB_LOST:
+                self._hub_lost(msg)
             case Error(tag=bytes() as tag):
                 self._deliver(tag, msg)
             case Error(ref=int() as ref):
@@ -166,10 +261,28 @@ class HubClient:
             case Stats(nonce=nonce) if nonce in self._stats:
                 self._stats[nonce].set_result(msg)
             case Ping(nonce=nonce):
-                self._pending.add(asyncio.ensure_future(transport.send(self.sock, Pong(nonce))))
-                self._pending = {t for t in self._pending if not t.done()}
+                self._send_soon(Pong(nonce))
+            case Pong():
+                pass
             case _:
                 log.warning("unexpected %s from hub: %s", type(msg).__name__, msg)
+
+    def _opened(self, ref: int, tag: bytes, msg: Opened) -> None:
+        # Register the tag before anything else is read: PROPOSAL seq 0 may be next.
+        if ref not in self._waiting:  # its OPEN timed out: nobody wants this session
+            self._send_soon(Close(tag))
+            return
+        self._waiting[tag] = self._waiting[ref]
+        self._deliver(ref, msg)
+
+    def _hub_lost(self, msg: Error) -> None:
+        if self._hello is not None and not self._hello.done():
+            self._hello.set_result(msg)
+        self.mark_down(f"{msg.code}: {msg.message}")
+
+    def _send_soon(self, msg: protocol.Message) -> None:
+        self._pending.add(asyncio.ensure_future(transport.send(self.sock, msg)))
+        self._pending = {t for t in self._pending if not t.done()}
 
     def _deliver(self, key: int | bytes, msg: protocol.Message) -> None:
         inbox = self._waiting.get(key)

@@ -15,23 +15,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import logging
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from edge.client import HubClient, HubError, TargetInfo
+from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
+from edge.speculate import Fallback, generate_speculative
 from edge.verifier import TargetSequence
-from starsd import models, protocol, sampling, transport
-from starsd.protocol import Error, Proposal, SamplingParams
+from starsd import models, protocol, security, transport
+from starsd.protocol import SamplingParams
 
 log = logging.getLogger("edge.target")
 
@@ -56,6 +56,20 @@ class TargetConfig:
     device: str = "cpu"
     dtype: str = "float32"
     threads: int = 1
+    deadline_ms: float = 500.0  # wait this long for a proposal, then decode a token alone
+    resync_s: float = 5.0
+    curve_secret: str | None = None
+    hub_public_key: str | None = None
+
+    @property
+    def curve(self) -> security.CurveClientConfig | None:
+        if self.curve_secret is None or self.hub_public_key is None:
+            return None
+        return security.CurveClientConfig(Path(self.curve_secret), Path(self.hub_public_key))
+
+    @property
+    def fallback(self) -> Fallback:
+        return Fallback(self.deadline_ms / 1e3, self.resync_s)
 
 
 @dataclass(frozen=True)
@@ -86,73 +100,11 @@ class Result:
         return json.dumps(self.__dict__, ensure_ascii=False)
 
 
-def draft_seed(seed: int | None) -> int | None:
-    """The hub's seed for a sequence: derived, so q's draws never share a stream with p's."""
-    if seed is None:
-        return None
-    digest = hashlib.blake2b(f"starsd-q:{seed}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
-
-
-# ---------------------------------------------------------------------- decoding
-
-
 def generate_standalone(seq: TargetSequence) -> TargetSequence:
     """The baseline: one target forward per token until EOS or the length limit."""
     while not seq.done:
         seq.step()
     return seq
-
-
-async def generate_speculative(
-    client: HubClient, seq: TargetSequence, gamma: int, pool: ThreadPoolExecutor
-) -> TargetSequence:
-    """Decode ``seq`` with proposals from the hub; verification runs in ``pool``."""
-    if seq.done:
-        return seq
-    loop = asyncio.get_running_loop()
-    hub_params = replace(seq.params, seed=draft_seed(seq.params.seed))
-    tag, inbox = await client.open(seq.prompt, hub_params, gamma)
-    expected = 0
-    try:
-        while not seq.done:
-            proposal = await _next_proposal(inbox, expected)
-            drafts, q = _usable_draft(seq, proposal)
-            accepted, appended = await loop.run_in_executor(pool, seq.verify, drafts, q)
-            expected += 1
-            if not seq.done:
-                await client.draft(tag, expected, accepted, appended)
-    finally:
-        await client.close_session(tag)
-    return seq
-
-
-async def _next_proposal(inbox: asyncio.Queue[protocol.Message], expected: int) -> Proposal:
-    while True:
-        msg = await inbox.get()
-        if isinstance(msg, Error):
-            raise HubError(msg.code, msg.message)
-        if isinstance(msg, Proposal) and msg.seq == expected:
-            return msg
-        log.warning("ignored stale %s (seq %s, expected %d)", type(msg).__name__,
-                    getattr(msg, "seq", None), expected)  # fmt: skip
-
-
-def _usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], torch.Tensor | None]:
-    """Draft tokens worth verifying (never past max_new_tokens or the context) and dense q."""
-    room = seq.max_new_tokens - len(seq.generated) - 1
-    if seq.target.max_positions is not None:
-        room = min(room, seq.target.max_positions - seq.committed)
-    n = max(0, min(len(proposal.tokens), room))
-    drafts = [int(t) for t in proposal.tokens[:n]]
-    if seq.params.greedy:
-        return drafts, None
-    if proposal.q_probs is None:
-        raise HubError(protocol.ErrorCode.MALFORMED, "sampled proposal without q probabilities")
-    q_probs = torch.from_numpy(proposal.q_probs[:n].astype("float32"))
-    support = None if proposal.q_support is None else torch.from_numpy(
-        proposal.q_support[:n].astype("int64"))  # fmt: skip
-    return drafts, sampling.dense_q(q_probs, support, seq.target.vocab_size)
 
 
 # ---------------------------------------------------------------------- requests
@@ -215,19 +167,22 @@ async def run_with_hub(
     """Connect, run every request with ``concurrency`` sequences in flight, disconnect."""
     ctx = transport.new_context()
     info = TargetInfo(target.name, target.vocab_size, target.tokenizer_fingerprint)
-    client = HubClient(ctx, config.hub, info)
+    client = HubClient(ctx, config.hub, info, config.curve)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
     limit = asyncio.Semaphore(config.concurrency)
 
     async def one(index: int, request: Request) -> Result:
         async with limit:
             seq = new_sequence(target, config, request, index)
-            await generate_speculative(client, seq, config.gamma, pool)
+            await generate_speculative(client, seq, config.gamma, pool, config.fallback)
             _log_sequence(request, seq)
             return to_result(target, request, seq)
 
     try:
-        await client.connect()
+        try:
+            await client.connect()
+        except HubUnavailable as exc:  # decode alone; the client keeps trying to reach the hub
+            log.warning("%s: starting without the hub", exc)
         return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
     finally:
         await client.aclose()
@@ -282,7 +237,15 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--device", default=TargetConfig.device)
     p.add_argument("--dtype", default=TargetConfig.dtype, choices=sorted(models.DTYPES))
     p.add_argument("--threads", type=int, default=TargetConfig.threads, help="torch threads")
+    p.add_argument("--deadline-ms", type=float, default=TargetConfig.deadline_ms,
+                   help="longest wait for a proposal before decoding a token without the hub")
+    p.add_argument("--resync-s", type=float, default=TargetConfig.resync_s,
+                   help="re-open a hub session silent for this long")
+    p.add_argument("--curve-secret", help="this target's key pair (starsd keys generate)")
+    p.add_argument("--hub-public-key", help="the hub's public .key file")
     config = TargetConfig(**vars(p.parse_args(argv)))
+    if (config.curve_secret is None) != (config.hub_public_key is None):
+        p.error("--curve-secret and --hub-public-key go together")
     try:
         SamplingParams(config.temperature, config.top_k, config.top_p, config.seed).validate()
     except protocol.ProtocolError as exc:
@@ -316,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_standalone(config, target, requests)
         else:
             results = transport.run_loop(run_with_hub(config, target, requests))
-    except (HubError, protocol.ProtocolError, ValueError) as exc:
+    except (HubError, protocol.ProtocolError, security.HandshakeError, ValueError) as exc:
         log.error("%s", exc)
         return 2
     _log_summary(results, time.perf_counter() - started)

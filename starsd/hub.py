@@ -1,21 +1,27 @@
 """The StarSD draft hub: one ROUTER socket, many targets, one work-conserving drafting thread.
 
-    python -m starsd.hub --model DIR --bind tcp://*:5555 [--gamma 4] [--device cpu|cuda]
+    python -m starsd.hub --model DIR --bind tcp://127.0.0.1:5555 [--gamma 4] [--device cuda]
+    python -m starsd.hub --bind tcp://*:5555 --curve-secret hub.key_secret --allow-dir targets/
 
 The event loop owns the socket and all protocol state (peers, session ownership, sequence
-numbers); it never runs the model. Draft requests go into the global queue Q_in; the drafting
-thread takes every pending request at once, calls ``Drafter.propose`` and hands results to Q_out,
-from which the loop sends them. The drafter therefore works whenever any target has work pending
-and never waits for a particular target's verification.
+numbers, leases); it never runs the model. Draft requests go into the global queue Q_in (fair
+across targets, see :mod:`starsd.scheduler`); the drafting thread takes every pending request,
+calls ``Drafter.propose`` and hands results to Q_out, from which the loop sends them. The drafter
+therefore works whenever any target has work pending and never waits for one target's verdict.
+
+Faults: any message renews its target's lease; a target silent for 3 heartbeat intervals loses
+its sessions and draft state. Every reply carries the hub's random epoch, so a target notices a
+restarted hub and re-opens its sessions from its own committed tokens. SIGTERM drains: no new
+sessions, in-flight rounds are delivered, every target is told SHUTTING_DOWN, exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
-import queue
 import secrets
 import signal
 import threading
@@ -26,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import zmq.asyncio
 
-from starsd import protocol, transport
+from starsd import protocol, security, transport
 from starsd.drafter import DRAFTERS, Drafter, DraftJob, DraftState
 from starsd.protocol import (
     Close,
@@ -44,11 +50,12 @@ from starsd.protocol import (
     StatsRequest,
     Welcome,
 )
+from starsd.scheduler import FairQueue
 from starsd.stats import HubStats, TargetStats
 
 log = logging.getLogger("starsd.hub")
 
-MAX_APPENDED = 1024  # tokens a target may commit between two rounds
+LEASE_INTERVALS = 3  # a target silent for this many heartbeat intervals is presumed dead
 
 
 @dataclass(frozen=True)
@@ -56,25 +63,38 @@ class HubConfig:
     """Everything ``python -m starsd.hub`` is told."""
 
     model: str
-    bind: str = "tcp://*:5555"
+    bind: str = "tcp://127.0.0.1:5555"
     gamma: int = 4
     max_gamma: int = 16
     device: str = "cpu"
     dtype: str = "float32"
     max_sessions: int = 256
+    max_sessions_per_target: int = 64
     max_batch: int = 64
     threads: int = 1
     stats_interval: float = 10.0
     draft_kind: str = "llm"
+    heartbeat_s: float = 1.0
+    drain_timeout_s: float = 5.0
+    curve_secret: str | None = None
+    allow_dir: str | None = None
+    insecure: bool = False  # allow plain text on a non-loopback bind
+
+    @property
+    def curve(self) -> security.CurveServerConfig | None:
+        if self.curve_secret is None or self.allow_dir is None:
+            return None
+        return security.CurveServerConfig(Path(self.curve_secret), Path(self.allow_dir))
 
 
 @dataclass
 class Peer:
-    """One target connection (a ROUTER routing id) and what it told us at HELLO."""
+    """One welcomed target connection and what sessions are bound to."""
 
     routing_id: bytes
+    key: bytes  # the CURVE public key when authenticated, else the routing id
     stats: TargetStats
-    welcomed: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
     tags: set[bytes] = field(default_factory=set)
 
 
@@ -83,7 +103,8 @@ class Session:
     """Protocol state of one sequence; ``state`` belongs to the drafting thread."""
 
     tag: bytes
-    owner: bytes  # routing id of the connection that opened it
+    owner: bytes  # Peer.key of the target that opened it
+    routing_id: bytes  # where its proposals go (the owner's current connection)
     state: DraftState
     next_seq: int = 0
     in_flight: bool = False
@@ -97,53 +118,85 @@ class Hub:
         self.config = config
         self.drafter = drafter
         self.welcome = welcome
+        self.epoch = welcome.epoch
         self.vocab_size = welcome.vocab_size
         self.max_positions = drafter.draft.max_positions
-        self.peers: dict[bytes, Peer] = {}
+        self.peers: dict[bytes, Peer] = {}  # by routing id
         self.sessions: dict[bytes, Session] = {}
         self.stats = HubStats()
-        self.q_in: queue.Queue[DraftJob | None] = queue.Queue()
+        self.q_in: FairQueue[DraftJob] = FairQueue()
         self.q_out: asyncio.Queue[tuple[list[DraftJob], list[Proposal | Error], float]]
         self.stopping = asyncio.Event()
+        self.draining = False
+        self.allow: security.AllowList | None = None
         self.endpoint = ""
 
     # ------------------------------------------------------------------ lifecycle
 
     async def serve(self, ctx: zmq.asyncio.Context) -> None:
-        """Bind, run until ``stop()``, then shut down cleanly and log the summary."""
-        loop = asyncio.get_running_loop()
+        """Bind, run until ``stop()``, drain, then shut down cleanly and log the summary."""
         self.q_out = asyncio.Queue()
-        sock = transport.router(ctx, self.config.bind)
+        auth = self._start_security(ctx)
+        sock = transport.router(ctx, self.config.bind, self.config.curve,
+                                int(1000 * self.config.heartbeat_s))  # fmt: skip
         self.endpoint = sock.endpoint
-        worker = threading.Thread(target=self._drafting_loop, args=(loop,), name="drafter")
+        worker = threading.Thread(target=self._drafting_loop, args=(asyncio.get_running_loop(),),
+                                  name="drafter")  # fmt: skip
         worker.start()
-        log.info("hub listening on %s (plain text; draft %s, epoch %s)",
-                 self.endpoint, self.welcome.model, self.welcome.epoch.hex()[:8])  # fmt: skip
-        tasks = [
-            asyncio.create_task(self._receive_loop(sock)),
-            asyncio.create_task(self._send_loop(sock)),
-            asyncio.create_task(self._stats_loop()),
-        ]
+        self._log_start()
+        tasks = [asyncio.create_task(c) for c in (
+            self._receive_loop(sock), self._send_loop(sock), self._stats_loop(),
+            self._lease_loop())]  # fmt: skip
         try:
             await self.stopping.wait()
+            await self._drain(sock)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.q_in.put(None)
+            self.q_in.close()
             await asyncio.to_thread(worker.join)
             sock.close()
+            if auth is not None:
+                auth.stop()
             self._log_summary()
 
     def stop(self) -> None:
-        """Ask ``serve`` to finish (safe from signal handlers on the loop)."""
+        """Ask ``serve`` to drain and finish (safe from signal handlers on the loop)."""
         self.stopping.set()
+
+    def _start_security(self, ctx: zmq.asyncio.Context) -> security.CurveAuthenticator | None:
+        curve = self.config.curve
+        if curve is None:
+            security.check_plaintext_endpoint(self.config.bind,
+                                              allow_insecure=self.config.insecure)  # fmt: skip
+            return None
+        self.allow = security.AllowList(curve.allow_dir)
+        return security.start_authenticator(ctx, self.allow)
+
+    def _log_start(self) -> None:
+        mode = (f"CURVE, {len(self.allow)} allowed target keys" if self.allow is not None
+                else "plain text, NOT encrypted or authenticated")  # fmt: skip
+        log.info("hub listening on %s (%s; draft %s, epoch %s)", self.endpoint, mode,
+                 self.welcome.model, self.epoch.hex())  # fmt: skip
+
+    async def _drain(self, sock: transport.Router) -> None:
+        """Admit nothing new, deliver what is in flight, then tell every target we are going."""
+        self.draining = True
+        in_flight = sum(s.in_flight for s in self.sessions.values())
+        log.info("draining: %d rounds in flight, %d sessions, timeout %.1f s", in_flight,
+                 len(self.sessions), self.config.drain_timeout_s)  # fmt: skip
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while any(s.in_flight for s in self.sessions.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for peer in self.peers.values():
+            self._send(sock, peer.routing_id, Error(ErrorCode.SHUTTING_DOWN, "hub is stopping"))
+        await asyncio.sleep(0.05)  # let the I/O thread flush the notices (LINGER is 0)
 
     # ------------------------------------------------------------------ drafting thread
 
     def _drafting_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        while (job := self.q_in.get()) is not None:
-            batch = [job, *self._take_pending()]
+        while (batch := self.q_in.take(self.config.max_batch)) is not None:
             started, cpu_started = time.perf_counter(), time.thread_time()
             self.stats.batch_started = started
             results = self.drafter.propose(batch)
@@ -154,26 +207,16 @@ class Hub:
             self.stats.jobs += len(batch)
             loop.call_soon_threadsafe(self.q_out.put_nowait, (batch, results, started))
 
-    def _take_pending(self) -> list[DraftJob]:
-        jobs: list[DraftJob] = []
-        while len(jobs) < self.config.max_batch - 1:
-            try:
-                job = self.q_in.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                self.q_in.put(None)  # keep the stop signal for the outer loop
-                break
-            jobs.append(job)
-        return jobs
-
     # ------------------------------------------------------------------ event loop
 
     async def _receive_loop(self, sock: transport.Router) -> None:
         while True:
-            for received in await transport.drain_router(sock):
+            received_batch = await transport.drain_router(sock)
+            if self.allow is not None:
+                self.allow.maybe_reload()
+            for received in received_batch:
                 self.stats.messages += 1
-                for reply in self.handle(received.peer, received.frames):
+                for reply in self.handle(received.peer, received.frames, received.user_id):
                     self._send(sock, received.peer, reply)
 
     async def _send_loop(self, sock: transport.Router) -> None:
@@ -190,53 +233,99 @@ class Hub:
                 reported = self.stats.jobs
                 self._log_stats()
 
-    def _send(self, sock: transport.Router, peer: bytes, msg: protocol.Message) -> None:
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            self.expire_leases(time.monotonic())
+
+    def expire_leases(self, now: float) -> int:
+        """Forget every target silent for LEASE_INTERVALS heartbeats; returns how many."""
+        lease = LEASE_INTERVALS * self.config.heartbeat_s
+        dead = [p for p in self.peers.values() if now - p.last_seen > lease]
+        for peer in dead:
+            freed = self._forget_peer(peer)
+            self.stats.sessions_expired += freed
+            log.info("target %s silent for %.1f s: lease expired, freed %d sessions",
+                     peer.stats.name, now - peer.last_seen, freed)  # fmt: skip
+        return len(dead)
+
+    def _forget_peer(self, peer: Peer) -> int:
+        self.peers.pop(peer.routing_id, None)
+        tags = [t for t in peer.tags if t in self.sessions]
+        for tag in tags:
+            self._close(self.sessions[tag])
+        return len(tags)
+
+    def _send(self, sock: transport.Router, routing_id: bytes, msg: protocol.Message) -> bool:
         if isinstance(msg, Error):
             self.stats.errors_sent += 1
-            log.info("-> %s ERROR %s: %s", peer.hex()[:8], msg.code, msg.message)
-        transport.send_to(sock, peer, msg)
+            log.info("-> %s ERROR %s: %s", routing_id.hex()[:10], msg.code, msg.message)
+        if isinstance(msg, (Opened, Proposal, Pong, Error, Stats)):
+            msg = dataclasses.replace(msg, epoch=self.epoch)
+        return transport.send_to(sock, routing_id, msg)
 
     def _deliver(
-        self, sock: transport.Router, job: DraftJob, result: Proposal | Error,
-        started: float,
-    ) -> None:  # fmt: skip
+        self, sock: transport.Router, job: DraftJob, result: Proposal | Error, started: float
+    ) -> None:
         session = self.sessions.get(job.tag)
         if session is None:  # closed while drafting: nothing to send, state is already dropped
             return
         session.in_flight = False
-        peer = self.peers.get(session.owner)
+        peer = self.peers.get(session.routing_id)
         if peer is not None:
             peer.stats.jobs += 1
             peer.stats.queue_wait_s += started - job.enqueued_at
         if isinstance(result, Proposal):
             session.next_seq = job.seq + 1
             session.last_gamma = len(result.tokens)
-        self._send(sock, session.owner, result)
+        if not self._send(sock, session.routing_id, result):
+            # The target will not see this proposal: free the state now; the target re-opens
+            # from its own tokens when its DRAFT gets UNKNOWN_SESSION or its deadline passes.
+            self._close(session)
+            self.stats.sessions_dropped += 1
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, peer_id: bytes, frames: list) -> list[protocol.Message]:
-        """Decode one message from ``peer_id`` and act on it; returns the immediate replies."""
-        peer = self.peers.get(peer_id)
-        if peer is None:
-            peer = Peer(peer_id, TargetStats(name=peer_id.hex()[:8]))
-            self.peers[peer_id] = peer
+    def handle(
+        self, routing_id: bytes, frames: list, user_id: str | None = None
+    ) -> list[protocol.Message]:
+        """Decode one message and act on it; returns the immediate replies.
+
+        ``user_id`` is the CURVE key of the sender (None in plain text). Nothing is allocated
+        for a sender until its HELLO is accepted.
+        """
+        peer = self.peers.get(routing_id)
         try:
+            self._authenticate(routing_id, user_id)
             msg = protocol.decode(frames)
-            return self._dispatch(peer, msg)
+            if peer is not None:
+                peer.last_seen = time.monotonic()
+            return self._dispatch(routing_id, user_id, peer, msg)
         except ProtocolError as exc:
-            peer.stats.errors += 1
-            if isinstance(exc, _SessionError):
-                return [Error(exc.code, exc.message, tag=exc.tag, seq=exc.seq)]
-            return [Error(exc.code, exc.message)]
+            if peer is not None:
+                peer.stats.errors += 1
+            tag, seq = (exc.tag, exc.seq) if isinstance(exc, _SessionError) else (None, None)
+            return [Error(exc.code, exc.message, tag=tag, seq=seq)]
         except Exception as exc:  # a bug must cost one reply, never the receive loop
-            log.exception("internal error handling a message from %s", peer.stats.name)
+            log.exception("internal error handling a message from %s", routing_id.hex())
             return [Error(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")]
 
-    def _dispatch(self, peer: Peer, msg: protocol.Message) -> list[protocol.Message]:
+    def _authenticate(self, routing_id: bytes, user_id: str | None) -> None:
+        if self.allow is None or self.allow.is_allowed(user_id):
+            return
+        self.stats.unauthenticated += 1
+        peer = self.peers.get(routing_id)
+        if peer is not None:  # revoked while connected: its state goes at once
+            log.warning("target %s: key no longer allowed, freed %d sessions", peer.stats.name,
+                        self._forget_peer(peer))  # fmt: skip
+        raise ProtocolError(ErrorCode.UNAUTHENTICATED, "this key is not allowed on this hub")
+
+    def _dispatch(
+        self, routing_id: bytes, user_id: str | None, peer: Peer | None, msg: protocol.Message
+    ) -> list[protocol.Message]:
         match msg:
             case Hello():
-                return [self._hello(peer, msg)]
+                return [self._hello(routing_id, user_id, msg)]
             case Ping(nonce=nonce):
                 return [Pong(nonce)]
             case StatsRequest(nonce=nonce):
@@ -244,9 +333,9 @@ class Hub:
             case Pong():
                 return []
             case Error(code=code, message=text):
-                log.info("<- %s ERROR %s: %s", peer.stats.name, code, text)
+                log.info("<- %s ERROR %s: %s", routing_id.hex()[:10], code, text)
                 return []
-        if not peer.welcomed:
+        if peer is None:
             raise ProtocolError(ErrorCode.NOT_WELCOMED, "send HELLO before anything else")
         match msg:
             case Open():
@@ -258,7 +347,7 @@ class Hub:
                 return []
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a hub")
 
-    def _hello(self, peer: Peer, msg: Hello) -> Welcome | Error:
+    def _hello(self, routing_id: bytes, user_id: str | None, msg: Hello) -> Welcome | Error:
         if msg.version != protocol.PROTOCOL_VERSION:
             raise ProtocolError(
                 ErrorCode.VERSION_MISMATCH,
@@ -266,32 +355,43 @@ class Hub:
             )
         differences = protocol.compatibility_problems(self.welcome, msg)
         if differences:
-            log.warning("refused target %s (%s): %s", peer.stats.name, msg.model, differences)
+            log.warning("refused target %s (%s): %s", routing_id.hex(), msg.model, differences)
             return Error(ErrorCode.INCOMPATIBLE, f"target refused: {differences}")
-        peer.welcomed = True
-        peer.stats.name = f"{peer.routing_id.hex()}/{msg.model}"
-        log.info("target %s connected (vocab %d)", peer.stats.name, msg.vocab_size)
+        if routing_id not in self.peers:
+            key = user_id.encode() if user_id is not None else routing_id
+            name = self._peer_name(routing_id, user_id, msg.model)
+            self.peers[routing_id] = Peer(routing_id, key, TargetStats(name=name))
+            log.info("target %s connected (vocab %d)", name, msg.vocab_size)
         return self.welcome
 
+    def _peer_name(self, routing_id: bytes, user_id: str | None, model: str) -> str:
+        key_name = self.allow.name_of(user_id) if self.allow is not None else None
+        return f"{routing_id.hex()}/{key_name or model}"
+
     def _open(self, peer: Peer, msg: Open) -> list[protocol.Message]:
-        refusal = self._open_refusal(msg)
+        refusal = self._open_refusal(peer, msg)
         if refusal is not None:
             return [Error(refusal[0], refusal[1], ref=msg.ref)]
         tag = secrets.token_bytes(protocol.TAG_BYTES)
         gamma = msg.gamma or self.config.gamma
         state = self.drafter.new_state(msg.prompt.tolist(), msg.sampling, gamma)
-        session = Session(tag=tag, owner=peer.routing_id, state=state)
+        session = Session(tag=tag, owner=peer.key, routing_id=peer.routing_id, state=state)
         self.sessions[tag] = session
         peer.tags.add(tag)
         peer.stats.sessions += 1
         self._enqueue(session, DraftJob(tag, 0, state, 0, ()))
         return [Opened(ref=msg.ref, tag=tag)]
 
-    def _open_refusal(self, msg: Open) -> tuple[str, str] | None:
+    def _open_refusal(self, peer: Peer, msg: Open) -> tuple[str, str] | None:
         gamma = msg.gamma or self.config.gamma
         problem = self._token_problem(msg.prompt, allow_empty=False)
+        if self.draining:
+            return ErrorCode.SHUTTING_DOWN, "hub is stopping; not opening sessions"
         if len(self.sessions) >= self.config.max_sessions:
             return ErrorCode.RESOURCE_EXHAUSTED, "hub is at --max-sessions"
+        if len(peer.tags) >= self.config.max_sessions_per_target:
+            return ErrorCode.RESOURCE_EXHAUSTED, (
+                f"this target has {len(peer.tags)} sessions (--max-sessions-per-target)")
         if not 1 <= gamma <= self.config.max_gamma:
             return ErrorCode.INVALID_ARGUMENT, f"gamma {gamma} outside 1..{self.config.max_gamma}"
         if problem:
@@ -304,12 +404,17 @@ class Hub:
         if refusal is not None:
             return [Error(refusal[0], refusal[1], tag=msg.tag, seq=msg.seq)]
         peer.stats.record_verdict(session.last_gamma, msg.accepted)
+        if session.routing_id != peer.routing_id:  # the owner reconnected (same CURVE key)
+            self._move(session, peer)
         appended = tuple(int(t) for t in msg.appended)
         self._enqueue(session, DraftJob(msg.tag, msg.seq, session.state, msg.accepted, appended))
         return []
 
     def _draft_refusal(self, session: Session, msg: Draft) -> tuple[str, str] | None:
-        # Nothing about the session changes unless every check passes.
+        # Nothing about the session changes unless every check passes: a duplicate or
+        # out-of-order DRAFT is refused and never applied twice.
+        if self.draining:
+            return ErrorCode.SHUTTING_DOWN, "hub is stopping; continue without proposals"
         if session.in_flight:
             return ErrorCode.BUSY, "a proposal for this session is being drafted"
         if msg.seq != session.next_seq:
@@ -327,25 +432,32 @@ class Hub:
         session = self.sessions.get(tag)
         if session is None:
             raise _SessionError(ErrorCode.UNKNOWN_SESSION, "no such session", tag, seq)
-        if session.owner != peer.routing_id:
+        if session.owner != peer.key:
             log.warning("target %s named a session it does not own", peer.stats.name)
             raise _SessionError(ErrorCode.FORBIDDEN, "session belongs to another target", tag, seq)
         return session
 
     def _close(self, session: Session) -> None:
         del self.sessions[session.tag]
-        peer = self.peers.get(session.owner)
+        peer = self.peers.get(session.routing_id)
         if peer is not None:
             peer.tags.discard(session.tag)
 
+    def _move(self, session: Session, peer: Peer) -> None:
+        old = self.peers.get(session.routing_id)
+        if old is not None:
+            old.tags.discard(session.tag)
+        session.routing_id = peer.routing_id
+        peer.tags.add(session.tag)
+
     def _enqueue(self, session: Session, job: DraftJob) -> None:
         session.in_flight = True
-        self.q_in.put(job)
+        self.q_in.put(session.owner, job)
 
     def _token_problem(self, ids: np.ndarray, allow_empty: bool) -> str | None:
         if ids.size == 0:
             return None if allow_empty else "empty"
-        if ids.size > max(MAX_APPENDED, self.max_positions or 0):
+        if ids.size > max(protocol.MAX_APPENDED, self.max_positions or 0):
             return f"{ids.size} tokens is too many"
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             return f"token id outside 0..{self.vocab_size - 1}"
@@ -363,7 +475,7 @@ class Hub:
             jobs=self.stats.jobs,
             batches=self.stats.batches,
             sessions=len(self.sessions),
-            targets=sum(p.welcomed for p in self.peers.values()),
+            targets=len(self.peers),
             rounds=sum(s.rounds for s in peers),
             proposed=sum(s.proposed for s in peers),
             accepted=sum(s.accepted for s in peers),
@@ -371,7 +483,7 @@ class Hub:
         )
 
     def _log_stats(self) -> None:
-        log.info(self.stats.line(len(self.sessions), sum(p.welcomed for p in self.peers.values())))
+        log.info(self.stats.line(len(self.sessions), len(self.peers)))
         for peer in self.peers.values():
             if peer.stats.jobs:
                 log.info(peer.stats.line())
@@ -403,12 +515,24 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--device", default=HubConfig.device, help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default=HubConfig.dtype, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--max-sessions", type=int, default=HubConfig.max_sessions)
+    p.add_argument("--max-sessions-per-target", type=int,
+                   default=HubConfig.max_sessions_per_target)  # fmt: skip
     p.add_argument("--max-batch", type=int, default=HubConfig.max_batch)
     p.add_argument("--threads", type=int, default=HubConfig.threads, help="torch threads")
     p.add_argument("--stats-interval", type=float, default=HubConfig.stats_interval)
     p.add_argument("--draft-kind", default=HubConfig.draft_kind, choices=sorted(DRAFTERS),
                    help="llm: a draft causal LM; null: no model work (overhead benchmarks)")
-    return HubConfig(**{k: v for k, v in vars(p.parse_args(argv)).items()})
+    p.add_argument("--heartbeat-s", type=float, default=HubConfig.heartbeat_s,
+                   help="liveness interval; a target silent for 3 intervals is freed")
+    p.add_argument("--drain-timeout-s", type=float, default=HubConfig.drain_timeout_s)
+    p.add_argument("--curve-secret", help="the hub's key pair (starsd keys generate)")
+    p.add_argument("--allow-dir", help="directory of allowed targets' public .key files")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plain text on a non-loopback --bind (trusted networks only)")
+    config = HubConfig(**vars(p.parse_args(argv)))
+    if (config.curve_secret is None) != (config.allow_dir is None):
+        p.error("--curve-secret and --allow-dir go together")
+    return config
 
 
 def build_hub(config: HubConfig) -> Hub:
@@ -423,20 +547,22 @@ def build_hub(config: HubConfig) -> Hub:
         model=Path(config.model).name or config.model,
         vocab_size=draft.vocab_size,
         tokenizer=draft.tokenizer_fingerprint,
-        epoch=secrets.token_bytes(8),
+        epoch=secrets.token_bytes(protocol.EPOCH_BYTES),
         default_gamma=config.gamma,
         max_gamma=config.max_gamma,
         draft_kind=config.draft_kind,
+        heartbeat_ms=int(1000 * config.heartbeat_s),
     )
     return Hub(config, DRAFTERS[config.draft_kind](draft), welcome)
 
 
 async def run(config: HubConfig) -> None:
-    """Serve until SIGINT/SIGTERM."""
+    """Serve until SIGINT/SIGTERM, then drain."""
     hub = build_hub(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, hub.stop)
+    loop.add_signal_handler(signal.SIGHUP, lambda: hub.allow.reload() if hub.allow else None)
     ctx = transport.new_context()
     try:
         await hub.serve(ctx)
@@ -444,15 +570,20 @@ async def run(config: HubConfig) -> None:
         ctx.term()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m starsd.hub``."""
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m starsd.hub``; 0 after a clean drain, 2 on a setup error."""
     logging.basicConfig(
         level=os.environ.get("STARSD_LOG", "INFO"),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     config = parse_args(argv)
-    transport.run_loop(run(config))
+    try:
+        transport.run_loop(run(config))
+    except (security.InsecureEndpointError, security.KeyFileError) as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

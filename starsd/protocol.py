@@ -21,7 +21,9 @@ from typing import Any, ClassVar, TypeAlias
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+MAX_APPENDED = 1024  # tokens a target may commit between two rounds (one DRAFT)
+EPOCH_BYTES = 8  # random per hub process; every hub reply carries it
 TAG_BYTES = 16  # 128 random bits, minted by the hub
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # one array frame (a dense [gamma, V] float32 fits easily)
@@ -49,6 +51,7 @@ class ErrorCode:
     UNEXPECTED = "UNEXPECTED"
     INTERNAL = "INTERNAL"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
 
 
 class ProtocolError(Exception):
@@ -117,6 +120,7 @@ class Welcome:
     default_gamma: int
     max_gamma: int
     draft_kind: str = "llm"
+    heartbeat_ms: int = 1000  # send something at least this often; 3 silent intervals = dead
     version: int = PROTOCOL_VERSION
 
 
@@ -138,6 +142,7 @@ class Opened:
     TYPE: ClassVar[int] = 4
     ref: int
     tag: bytes
+    epoch: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,7 @@ class Proposal:
     tokens: np.ndarray = field(repr=False)  # [gamma] int32
     q_probs: np.ndarray | None = field(default=None, repr=False)
     q_support: np.ndarray | None = field(default=None, repr=False)
+    epoch: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -190,8 +196,11 @@ class Ping:
 
 @dataclass(frozen=True)
 class Pong:
+    """Answer to PING; from a hub it carries the hub's epoch."""
+
     TYPE: ClassVar[int] = 9
     nonce: int
+    epoch: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,7 @@ class Error:
     ref: int | None = None
     tag: bytes | None = None
     seq: int | None = None
+    epoch: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -230,6 +240,7 @@ class Stats:
     proposed: int
     accepted: int
     queue_wait_s: float
+    epoch: bytes = b""
 
 
 Message: TypeAlias = (
@@ -264,24 +275,25 @@ _SCHEMAS: dict[type, dict[str, tuple[type, ...]]] = {
     Hello: {"model": (str,), "vocab_size": _INT, "tokenizer": (str,), "version": _INT},
     Welcome: {
         "model": (str,), "vocab_size": _INT, "tokenizer": (str,), "epoch": (bytes,),
-        "default_gamma": _INT, "max_gamma": _INT, "draft_kind": (str,), "version": _INT,
+        "default_gamma": _INT, "max_gamma": _INT, "draft_kind": (str,), "heartbeat_ms": _INT,
+        "version": _INT,
     },
     Open: {"ref": _INT, "sampling": (dict,), "gamma": _INT},
-    Opened: {"ref": _INT, "tag": (bytes,)},
+    Opened: {"ref": _INT, "tag": (bytes,), "epoch": (bytes,)},
     Draft: {"tag": (bytes,), "seq": _INT, "accepted": _INT},
-    Proposal: {"tag": (bytes,), "seq": _INT},
+    Proposal: {"tag": (bytes,), "seq": _INT, "epoch": (bytes,)},
     Close: {"tag": (bytes,)},
     Ping: {"nonce": _INT},
-    Pong: {"nonce": _INT},
+    Pong: {"nonce": _INT, "epoch": (bytes,)},
     Error: {
         "code": (str,), "message": (str,), "ref": _OPT_INT,
-        "tag": (bytes, type(None)), "seq": _OPT_INT,
+        "tag": (bytes, type(None)), "seq": _OPT_INT, "epoch": (bytes,),
     },
     StatsRequest: {"nonce": _INT},
     Stats: {
         "nonce": _INT, "wall_s": _NUM, "busy_s": _NUM, "jobs": _INT, "batches": _INT,
         "sessions": _INT, "targets": _INT, "rounds": _INT, "proposed": _INT, "accepted": _INT,
-        "queue_wait_s": _NUM,
+        "queue_wait_s": _NUM, "epoch": (bytes,),
     },
 }  # fmt: skip
 _ARRAYS: dict[type, dict[str, tuple[frozenset[str], int, bool]]] = {

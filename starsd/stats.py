@@ -58,6 +58,9 @@ class HubStats:
     jobs: int = 0
     messages: int = 0
     errors_sent: int = 0
+    sessions_expired: int = 0  # freed because their target's lease ran out
+    sessions_dropped: int = 0  # freed because their proposal could not be delivered
+    unauthenticated: int = 0  # messages refused for a key not (or no longer) allowed
 
     def busy_now(self) -> float:
         """Busy seconds so far, counting the batch in progress up to now."""
@@ -74,7 +77,9 @@ class HubStats:
             f"batches={self.batches} draft_busy={self.busy_fraction():.3f} "
             f"draft_ms_per_job={1e3 * self.busy_s / max(self.jobs, 1):.2f} "
             f"cpu_ms_per_job={1e3 * self.busy_cpu_s / max(self.jobs, 1):.2f} "
-            f"messages={self.messages} errors_sent={self.errors_sent}"
+            f"messages={self.messages} errors_sent={self.errors_sent} "
+            f"expired={self.sessions_expired} dropped={self.sessions_dropped} "
+            f"unauthenticated={self.unauthenticated}"
         )
 
 

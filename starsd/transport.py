@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from starsd import protocol
+from starsd import protocol, security
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +25,21 @@ log = logging.getLogger(__name__)
 # between protocol.MAX_FRAME_BYTES and this get a TOO_LARGE error reply instead.
 SOCKET_MAX_MSG_BYTES = 4 * protocol.MAX_FRAME_BYTES
 HWM = 10_000
+HEARTBEAT_MS = 1000  # ZMTP heartbeat: a silent connection is closed after 3 intervals
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Received:
-    """One message from a peer: the peer's routing id ('' on a DEALER) and its frames."""
+    """One message from a peer: its routing id, its frames and, with CURVE, its key (z85).
+
+    ``user_id`` is the ZAP-authenticated public key, the one identity a peer cannot choose;
+    None in plain-text mode.
+    """
 
     peer: bytes
     frames: list[zmq.Frame]
+    user_id: str | None = None
 
 
 def new_context() -> zmq.asyncio.Context:
@@ -53,6 +59,7 @@ class Router:
 
     sock: zmq.asyncio.Socket
     raw: zmq.Socket
+    curve: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -64,27 +71,50 @@ class Router:
         self.sock.close(linger=0)
 
 
-def router(ctx: zmq.asyncio.Context, endpoint: str) -> Router:
-    """The hub's ROUTER socket, bound to ``endpoint``."""
+def router(
+    ctx: zmq.asyncio.Context, endpoint: str, curve: security.CurveServerConfig | None = None,
+    heartbeat_ms: int = HEARTBEAT_MS,
+) -> Router:  # fmt: skip
+    """The hub's ROUTER socket, bound to ``endpoint`` (CURVE server when ``curve`` is given;
+    the context must then run :func:`security.start_authenticator` first)."""
     sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
+    _common_options(sock, heartbeat_ms)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH/EAGAIN instead of a silent drop
-    sock.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_MSG_BYTES)
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
+    # ROUTER_HANDOVER stays off: a new connection can never take over a live routing id.
+    if curve is not None:
+        security.secure_server(sock, curve)
     sock.bind(endpoint)
-    return Router(sock, zmq.Socket.shadow(sock.underlying))
+    return Router(sock, zmq.Socket.shadow(sock.underlying), curve is not None)
 
 
-def dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
-    """A target's DEALER socket connected to the hub at ``endpoint`` (routing id set by hub)."""
+def dealer(
+    ctx: zmq.asyncio.Context, endpoint: str, curve: security.CurveClientConfig | None = None,
+    heartbeat_ms: int = HEARTBEAT_MS,
+) -> tuple[zmq.asyncio.Socket, security.HandshakeWatch | None]:  # fmt: skip
+    """A target's DEALER connected to ``endpoint``; the hub assigns its routing id.
+
+    With ``curve``, also returns a watch on the handshake (attached before connecting): await
+    ``watch.wait()`` so a rejected key fails loudly instead of hanging.
+    """
     sock = ctx.socket(zmq.DEALER)
+    _common_options(sock, heartbeat_ms)
+    watch = None
+    if curve is not None:
+        security.secure_client(sock, curve)
+        watch = security.watch_handshake(sock)
+    sock.connect(endpoint)
+    return sock, watch
+
+
+def _common_options(sock: zmq.Socket, heartbeat_ms: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_MSG_BYTES)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
-    sock.connect(endpoint)
-    return sock
+    if heartbeat_ms > 0:  # ZMTP PING/PONG: closes connections to dead or hung peers
+        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * heartbeat_ms)
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:
@@ -106,7 +136,8 @@ async def drain_router(router: Router, limit: int = 1024) -> list[Received]:
             break
         if len(frames) < 2:  # ROUTER always prepends the routing id; anything else is noise
             continue
-        batch.append(Received(peer=bytes(frames[0].buffer), frames=list(frames[1:])))
+        key = security.user_id(frames[0]) if router.curve else None
+        batch.append(Received(bytes(frames[0].buffer), list(frames[1:]), key))
     return batch
 
 

@@ -15,7 +15,7 @@ import zmq.asyncio
 from conftest import RunningHub
 
 from edge.client import HubClient, HubError, TargetInfo
-from edge.target import generate_speculative
+from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
 from starsd import models, protocol, transport
 from starsd.protocol import (
@@ -41,7 +41,7 @@ class RawTarget:
 
     def __init__(self, endpoint: str) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.sock = transport.dealer(self.ctx, endpoint)
+        self.sock, _ = transport.dealer(self.ctx, endpoint)
 
     async def send_frames(self, frames: list[bytes]) -> None:
         await self.sock.send_multipart(frames)
@@ -93,7 +93,7 @@ BAD_MESSAGES = {
     "truncated": [b"\x01"],
     "wrong type byte": [_header(99, {})],
     "wrong version": [_header(Ping.TYPE, {"nonce": 1}, version=7)],
-    "garbage body": [b"\x01\x08\xff\xff\xff"],
+    "garbage body": [bytes((protocol.PROTOCOL_VERSION, 8)) + b"\xff\xff\xff"],
     "wrong field type": [_header(Ping.TYPE, {"nonce": "x"})],
     "length mismatch": [_header(Draft.TYPE, {"tag": b"x" * 16, "seq": 1, "accepted": 0,
                                              "arrays": [["appended", "int32", [3]]]}), b"\0" * 5],
@@ -113,7 +113,7 @@ EXPECTED_CODE = {
 
 
 async def test_every_bad_frame_gets_an_error_and_the_hub_keeps_serving(
-    raw, llama_target: models.LoadedModel
+    raw, running_hub: RunningHub, llama_target: models.LoadedModel
 ) -> None:
     bystander = raw()
     await bystander.hello(llama_target)
@@ -123,7 +123,8 @@ async def test_every_bad_frame_gets_an_error_and_the_hub_keeps_serving(
         await attacker.send_frames(frames)
         reply = await attacker.recv()
         assert isinstance(reply, Error) and reply.code == EXPECTED_CODE[name], (name, reply)
-        assert await attacker.ask(Ping(7)) == Pong(7)  # the next valid request is answered
+        pong = await attacker.ask(Ping(7))  # the next valid request is answered
+        assert isinstance(pong, Pong) and pong.nonce == 7 and pong.epoch == running_hub.hub.epoch
     await attacker.hello(llama_target)
     await attacker.open()
     # the bystander's session was not disturbed: its next round works as usual

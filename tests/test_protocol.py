@@ -94,56 +94,57 @@ def _header(version: int, kind: int, body: object) -> bytes:
     return bytes((version, kind)) + msgpack.packb(body, use_bin_type=True)
 
 
+V = protocol.PROTOCOL_VERSION
 GOOD_DRAFT = _frames(Draft(TAG, 1, 0, np.array([5], dtype=np.int32)))
 
 BAD_FRAMES = {
     "empty": ([], ErrorCode.MALFORMED),
     "truncated header": ([b"\x01"], ErrorCode.MALFORMED),
     "wrong version": ([_header(9, Ping.TYPE, {"nonce": 1})], ErrorCode.VERSION_MISMATCH),
-    "unknown type": ([_header(1, 200, {})], ErrorCode.MALFORMED),
-    "not msgpack": ([b"\x01\x08\xc1\xc1\xc1"], ErrorCode.MALFORMED),
+    "unknown type": ([_header(V, 200, {})], ErrorCode.MALFORMED),
+    "not msgpack": ([bytes((V, 8)) + b"\xc1\xc1\xc1"], ErrorCode.MALFORMED),
     "truncated msgpack": ([GOOD_DRAFT[0][:-3], GOOD_DRAFT[1]], ErrorCode.MALFORMED),
-    "body not a map": ([_header(1, Ping.TYPE, [1, 2])], ErrorCode.MALFORMED),
-    "missing field": ([_header(1, Ping.TYPE, {})], ErrorCode.MALFORMED),
-    "unknown field": ([_header(1, Ping.TYPE, {"nonce": 1, "x": 2})], ErrorCode.MALFORMED),
-    "wrong type": ([_header(1, Ping.TYPE, {"nonce": "1"})], ErrorCode.MALFORMED),
-    "bool as int": ([_header(1, Ping.TYPE, {"nonce": True})], ErrorCode.MALFORMED),
+    "body not a map": ([_header(V, Ping.TYPE, [1, 2])], ErrorCode.MALFORMED),
+    "missing field": ([_header(V, Ping.TYPE, {})], ErrorCode.MALFORMED),
+    "unknown field": ([_header(V, Ping.TYPE, {"nonce": 1, "x": 2})], ErrorCode.MALFORMED),
+    "wrong type": ([_header(V, Ping.TYPE, {"nonce": "1"})], ErrorCode.MALFORMED),
+    "bool as int": ([_header(V, Ping.TYPE, {"nonce": True})], ErrorCode.MALFORMED),
     "array frame missing": ([GOOD_DRAFT[0]], ErrorCode.MALFORMED),
     "extra frame": ([*GOOD_DRAFT, b"1234"], ErrorCode.MALFORMED),
     "length != shape": ([GOOD_DRAFT[0], b"\x00" * 5], ErrorCode.MALFORMED),
     "too many frames": ([GOOD_DRAFT[0]] + [b""] * 20, ErrorCode.TOO_LARGE),
-    "oversized header": ([_header(1, Ping.TYPE, {"nonce": 1}) + b"\x00" * 70_000],
+    "oversized header": ([_header(V, Ping.TYPE, {"nonce": 1}) + b"\x00" * 70_000],
                          ErrorCode.TOO_LARGE),
     "oversized array": ([
-        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
                                 "arrays": [["appended", "int32", [5_000_000]]]}),
         b"\x00" * 20_000_000], ErrorCode.TOO_LARGE),
     "bad dtype": ([
-        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
                                 "arrays": [["appended", "object", [1]]]}), b"\x00" * 8],
         ErrorCode.MALFORMED),
     "float tokens": ([
-        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
                                 "arrays": [["appended", "float32", [1]]]}), b"\x00" * 4],
         ErrorCode.MALFORMED),
     "bad shape": ([
-        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
                                 "arrays": [["appended", "int32", [-1]]]}), b""],
         ErrorCode.MALFORMED),
     "wrong rank": ([
-        _header(1, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
                                 "arrays": [["appended", "int32", [1, 1]]]}), b"\x00" * 4],
         ErrorCode.MALFORMED),
-    "huge container": ([_header(1, Ping.TYPE, {"nonce": 1}) [:2]
+    "huge container": ([_header(V, Ping.TYPE, {"nonce": 1}) [:2]
                         + msgpack.packb({"nonce": list(range(1000))})], ErrorCode.MALFORMED),
-    "ext type": ([b"\x01\x08" + msgpack.packb({"nonce": msgpack.ExtType(1, b"x")})],
+    "ext type": ([bytes((V, 8)) + msgpack.packb({"nonce": msgpack.ExtType(1, b"x")})],
                  ErrorCode.MALFORMED),
     "bad sampling": ([
-        _header(1, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": -1.0},
+        _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": -1.0},
                                "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
         ErrorCode.INVALID_ARGUMENT),
     "nan temperature": ([
-        _header(1, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": float("nan")},
+        _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": float("nan")},
                                "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
         ErrorCode.INVALID_ARGUMENT),
 }  # fmt: skip

@@ -1,0 +1,206 @@
+"""One sequence decoded with the hub's proposals, and without them whenever the hub fails.
+
+The target is the source of truth: its committed tokens decide everything, the hub's draft state
+is soft. Each round it waits at most ``deadline_s`` for the proposal it asked for; past that it
+decodes one token alone (a standalone step) and keeps doing so, without waiting, until the
+proposal arrives. A proposal that arrives after such steps is not verified (it drafts from an
+older prefix); the next DRAFT instead carries the tokens committed meanwhile (accepted = 0) so the
+hub catches up. A session silent for ``resync_s``, refused (UNKNOWN_SESSION, FORBIDDEN, ...) or
+from an older hub generation (the hub restarted) is dropped and re-opened from the committed
+tokens. Proposals and errors are matched on (tag, seq): duplicates and stale ones are ignored, so
+nothing is applied twice. Greedy output therefore equals the target alone token for token, and
+sampled output keeps the target's distribution, whatever the hub does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from edge.client import HubClient, HubError, HubUnavailable
+from edge.verifier import TargetSequence
+from starsd import protocol, sampling
+from starsd.protocol import Error, ErrorCode, Proposal
+
+log = logging.getLogger("edge.speculate")
+
+# Errors about one session after which it is re-opened from the committed tokens.
+_REOPEN = frozenset({ErrorCode.UNKNOWN_SESSION, ErrorCode.FORBIDDEN, ErrorCode.SHUTTING_DOWN,
+                     ErrorCode.NOT_WELCOMED, ErrorCode.INTERNAL,
+                     ErrorCode.RESOURCE_EXHAUSTED})  # fmt: skip
+# Echoes of a duplicate or reordered request: the original is still being answered.
+_IGNORE = frozenset({ErrorCode.BUSY, ErrorCode.OUT_OF_ORDER})
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """When the target stops waiting for the hub."""
+
+    deadline_s: float = 0.5  # longest wait for a proposal before decoding a token alone
+    resync_s: float = 5.0  # a session silent this long is re-opened
+    open_timeout_s: float = 2.0
+
+
+@dataclass
+class HubSession:
+    """The target's view of one hub session."""
+
+    tag: bytes
+    inbox: asyncio.Queue[protocol.Message]
+    generation: int
+    synced: int  # committed tokens the hub knows about
+    expected: int = 0  # seq of the proposal we wait for
+    asked_at: float = field(default_factory=time.monotonic)
+
+
+async def generate_speculative(
+    client: HubClient, seq: TargetSequence, gamma: int, pool: ThreadPoolExecutor,
+    fallback: Fallback = Fallback(),
+) -> TargetSequence:  # fmt: skip
+    """Decode ``seq`` to the end with the hub's help where it is available."""
+    hub_params = replace(seq.params, seed=draft_seed(seq.params.seed))
+    session: HubSession | None = None
+    closed_for_good = False  # CONTEXT_FULL: the hub cannot draft further for this sequence
+    try:
+        while not seq.done:
+            if session is not None and session.generation != client.generation:
+                session = None  # the hub restarted: that session no longer exists
+            if session is None and client.up and not closed_for_good:
+                session = await _open(client, seq, hub_params, gamma, fallback)
+            if session is None:
+                await standalone_step(seq, pool)
+                continue
+            session, closed_for_good = await _round(client, seq, session, pool, fallback)
+    finally:
+        if session is not None:
+            await client.close_session(session.tag)
+    return seq
+
+
+async def standalone_step(seq: TargetSequence, pool: ThreadPoolExecutor) -> None:
+    """One token from the target alone, off the event loop."""
+    await asyncio.get_running_loop().run_in_executor(pool, seq.step)
+    seq.stats.standalone_steps += 1
+
+
+async def _open(
+    client: HubClient, seq: TargetSequence, params: protocol.SamplingParams, gamma: int,
+    fallback: Fallback,
+) -> HubSession | None:  # fmt: skip
+    tokens = [*seq.prompt, *seq.generated]
+    generation = client.generation
+    try:
+        tag, inbox = await client.open(tokens, params, gamma, fallback.open_timeout_s)
+    except HubUnavailable as exc:
+        client.mark_down(str(exc))
+        return None
+    except HubError as exc:
+        if exc.code not in _REOPEN:
+            raise
+        log.info("hub did not open a session (%s); decoding alone for now", exc)
+        return None
+    return HubSession(tag, inbox, generation, synced=len(tokens))
+
+
+async def _round(
+    client: HubClient, seq: TargetSequence, session: HubSession, pool: ThreadPoolExecutor,
+    fallback: Fallback,
+) -> tuple[HubSession | None, bool]:  # fmt: skip
+    """Handle the next message of ``session`` (or a standalone step if none is due in time)."""
+    msg = await _next(session, fallback.deadline_s)
+    if msg is None:
+        await standalone_step(seq, pool)
+        if time.monotonic() - session.asked_at > fallback.resync_s:
+            log.info("session %s silent for %.1f s: re-opening", session.tag.hex()[:8],
+                     fallback.resync_s)  # fmt: skip
+            await client.close_session(session.tag)
+            return None, False
+        return session, False
+    if isinstance(msg, Error):
+        return await _session_error(client, session, msg)
+    assert isinstance(msg, Proposal)
+    if msg.seq != session.expected:
+        return session, False  # a duplicate or a stale proposal: never applied twice
+    await _answer(client, seq, session, msg, pool)
+    return session, False
+
+
+async def _next(session: HubSession, deadline_s: float) -> protocol.Message | None:
+    """The next message for the session, waiting only what is left of the deadline."""
+    wait = session.asked_at + deadline_s - time.monotonic()
+    try:
+        if wait <= 0:
+            return session.inbox.get_nowait()
+        return await asyncio.wait_for(session.inbox.get(), wait)
+    except (asyncio.QueueEmpty, asyncio.TimeoutError):
+        return None
+
+
+async def _session_error(
+    client: HubClient, session: HubSession, msg: Error
+) -> tuple[HubSession | None, bool]:
+    if msg.code in _IGNORE:
+        return session, False
+    if msg.code == ErrorCode.CONTEXT_FULL:
+        log.info("hub cannot draft further for this sequence: finishing alone")
+        await client.close_session(session.tag)
+        return None, True
+    if msg.code in _REOPEN:
+        log.info("session %s: %s (%s); re-opening", session.tag.hex()[:8], msg.code, msg.message)
+        return None, False
+    raise HubError(msg.code, msg.message)
+
+
+async def _answer(
+    client: HubClient, seq: TargetSequence, session: HubSession, proposal: Proposal,
+    pool: ThreadPoolExecutor,
+) -> None:  # fmt: skip
+    """Verify the proposal (or, if we decoded alone meanwhile, just catch the hub up)."""
+    accepted, appended = 0, list[int]()
+    if session.synced == seq.committed:
+        drafts, q = usable_draft(seq, proposal)
+        loop = asyncio.get_running_loop()
+        accepted, appended = await loop.run_in_executor(pool, seq.verify, drafts, q)
+    else:
+        appended = [*seq.prompt, *seq.generated][session.synced :]
+    session.expected += 1
+    session.synced = seq.committed
+    session.asked_at = time.monotonic()
+    if seq.done:
+        return
+    if len(appended) > protocol.MAX_APPENDED:
+        session.asked_at = float("-inf")  # too far behind: the next round re-opens instead
+        return
+    await client.draft(session.tag, session.expected, accepted, appended)
+
+
+def usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], torch.Tensor | None]:
+    """Draft tokens worth verifying (never past max_new_tokens or the context) and dense q."""
+    room = seq.max_new_tokens - len(seq.generated) - 1
+    if seq.target.max_positions is not None:
+        room = min(room, seq.target.max_positions - seq.committed)
+    n = max(0, min(len(proposal.tokens), room))
+    drafts = [int(t) for t in proposal.tokens[:n]]
+    if seq.params.greedy:
+        return drafts, None
+    if proposal.q_probs is None:
+        raise HubError(protocol.ErrorCode.MALFORMED, "sampled proposal without q probabilities")
+    q_probs = torch.from_numpy(proposal.q_probs[:n].astype("float32"))
+    support = None if proposal.q_support is None else torch.from_numpy(
+        proposal.q_support[:n].astype("int64"))  # fmt: skip
+    return drafts, sampling.dense_q(q_probs, support, seq.target.vocab_size)
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """The hub's seed for a sequence: derived, so q's draws never share a stream with p's."""
+    if seed is None:
+        return None
+    import hashlib
+
+    digest = hashlib.blake2b(f"starsd-q:{seed}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
