@@ -71,7 +71,7 @@ class EagleTrainConfig:
     sampled_sequences: int = 256
     prompt_len: int = 32
     # training
-    steps: int = 1500
+    steps: int = 3000
     batch_size: int = 16
     lr: float = 3e-3
     warmup_steps: int = 50

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+from procs import ENV, REPO, HubProcess, read_jsonl, reference, target_cmd, write_prompts
 from tiny_models import build_pair, build_tokenizer
-
-from starsd import models
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [
     "To be, or not to be",
     "Now is the winter",
@@ -29,40 +20,6 @@ PROMPTS = [
     "whether tis nobler",
     "O",
 ]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "STARSD_LOG": "INFO"}
-
-
-class HubProcess:
-    """``python -m starsd.hub`` on a random loopback port, read from its log."""
-
-    def __init__(self, draft_dir: Path, log_path: Path) -> None:
-        self.log_path = log_path
-        self.log = log_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "starsd.hub", "--model", str(draft_dir),
-             "--bind", "tcp://127.0.0.1:*", "--stats-interval", "1"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO,
-        )  # fmt: skip
-        self.endpoint = self._wait_for_endpoint()
-
-    def _wait_for_endpoint(self, timeout: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = re.search(r"hub listening on (tcp://\S+)", self.log_path.read_text())
-            if found:
-                return found.group(1)
-            assert self.proc.poll() is None, self.log_path.read_text()
-            time.sleep(0.1)
-        raise TimeoutError(self.log_path.read_text())
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=20)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.log.close()
 
 
 @pytest.fixture
@@ -80,10 +37,9 @@ def start_hub(tmp_path: Path) -> Iterator:
 
 
 def _target_cmd(endpoint: str, target_dir: Path, prompts: Path, out: Path, *extra: str) -> list:
-    return [
-        sys.executable, "-m", "edge.target", "--hub", endpoint, "--model", str(target_dir),
-        "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "24", *extra,
-    ]  # fmt: skip
+    # A deadline far beyond any round here: the sampled outputs compared below depend on
+    # every round being verified (a fallback step draws from the generator differently).
+    return target_cmd(endpoint, target_dir, prompts, out, "--deadline-ms", "60000", *extra)
 
 
 def _run_targets(cmds: list[list[str]], tmp_path: Path) -> list[list[dict]]:
@@ -94,26 +50,11 @@ def _run_targets(cmds: list[list[str]], tmp_path: Path) -> list[list[dict]]:
     for proc in procs:
         out, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0, out.decode()
-    return [_read_jsonl(Path(c[c.index("--out") + 1])) for c in cmds]
+    return [read_jsonl(Path(c[c.index("--out") + 1])) for c in cmds]
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def _write_prompts(path: Path, prompts: list[str]) -> Path:
-    rows = (json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts))
-    path.write_text("".join(rows))
-    return path
-
-
-def _reference(target_dir: Path, prompt: str, n: int) -> list[int]:
-    target = models.load_causal_lm(target_dir)
-    ids = torch.tensor([models.encode_text(target, prompt)])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=n, eos_token_id=sorted(target.eos_token_ids),
-                                pad_token_id=0)  # fmt: skip
-    return out[0, ids.shape[1] :].tolist()
+_write_prompts = write_prompts
+_reference = reference
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
