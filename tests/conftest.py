@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,12 +15,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
+import numpy as np
+import procs
+import zmq.asyncio
 from tiny_models import build_pair
 
 from starsd import hub as hub_module
-from starsd import models, transport
+from starsd import models, protocol, transport
+from starsd.protocol import Hello, Open, Opened, Proposal, SamplingParams, Welcome
 
 torch.set_num_threads(1)
+
+PROMPT = np.array([5, 17, 33, 8], dtype=np.int32)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes() -> Iterator[None]:
+    yield
+    procs.kill_leftovers()
 
 
 @pytest.fixture(scope="session")
@@ -65,3 +77,52 @@ async def running_hub(llama_pair: tuple[Path, Path]) -> AsyncIterator[RunningHub
     hub.stop()
     await asyncio.wait_for(task, 10)
     ctx.term()
+
+
+class RawTarget:
+    """A bare DEALER that sends whatever frames a test wants."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock, _ = transport.dealer(self.ctx, endpoint)
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        await self.sock.send_multipart(frames)
+
+    async def send(self, msg: protocol.Message) -> None:
+        await transport.send(self.sock, msg)
+
+    async def recv(self, timeout: float = 10.0) -> protocol.Message:
+        return await asyncio.wait_for(transport.recv(self.sock), timeout)
+
+    async def ask(self, msg: protocol.Message) -> protocol.Message:
+        await self.send(msg)
+        return await self.recv()
+
+    async def hello(self, target: models.LoadedModel) -> Welcome:
+        reply = await self.ask(Hello("t", target.vocab_size, target.tokenizer_fingerprint))
+        assert isinstance(reply, Welcome), reply
+        return reply
+
+    async def open(self, prompt: np.ndarray = PROMPT, ref: int = 1) -> tuple[bytes, Proposal]:
+        await self.send(Open(ref, prompt, SamplingParams(), 4))
+        opened, proposal = await self.recv(), await self.recv()
+        assert isinstance(opened, Opened) and isinstance(proposal, Proposal), (opened, proposal)
+        return opened.tag, proposal
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+async def raw(running_hub: RunningHub):
+    targets: list[RawTarget] = []
+
+    def make() -> RawTarget:
+        targets.append(RawTarget(running_hub.endpoint))
+        return targets[-1]
+
+    yield make
+    for t in targets:
+        t.close()

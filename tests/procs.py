@@ -17,6 +17,17 @@ import torch
 from starsd import models
 
 REPO = Path(__file__).resolve().parent.parent
+STARTED: list[subprocess.Popen] = []  # every process started here, so a failed test can't leak
+
+
+def kill_leftovers() -> None:
+    """SIGKILL every process this module started that is still running (or stopped)."""
+    for proc in STARTED:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
+    STARTED.clear()
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "STARSD_LOG": "INFO"}
 
 
@@ -39,6 +50,7 @@ class HubProcess:
              "--stats-interval", "1", *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO,
         )  # fmt: skip
+        STARTED.append(self.proc)
         self.endpoint = wait_for(log_path, r"hub listening on (tcp://\S+)", self.proc)
 
     def text(self) -> str:
@@ -69,6 +81,7 @@ class TargetProcess:
         with self.log_path.open("a") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env=ENV, cwd=REPO)  # fmt: skip
+        STARTED.append(self.proc)
 
     def text(self) -> str:
         return self.log_path.read_text()

@@ -10,9 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-import zmq
-import zmq.asyncio
-from conftest import RunningHub
+from conftest import PROMPT, RunningHub
 
 from edge.client import HubClient, HubError, TargetInfo
 from edge.speculate import generate_speculative
@@ -25,64 +23,12 @@ from starsd.protocol import (
     ErrorCode,
     Hello,
     Open,
-    Opened,
     Ping,
     Pong,
     Proposal,
     SamplingParams,
     Welcome,
 )
-
-PROMPT = np.array([5, 17, 33, 8], dtype=np.int32)
-
-
-class RawTarget:
-    """A bare DEALER that sends whatever frames a test wants."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.sock, _ = transport.dealer(self.ctx, endpoint)
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        await self.sock.send_multipart(frames)
-
-    async def send(self, msg: protocol.Message) -> None:
-        await transport.send(self.sock, msg)
-
-    async def recv(self, timeout: float = 10.0) -> protocol.Message:
-        return await asyncio.wait_for(transport.recv(self.sock), timeout)
-
-    async def ask(self, msg: protocol.Message) -> protocol.Message:
-        await self.send(msg)
-        return await self.recv()
-
-    async def hello(self, target: models.LoadedModel) -> Welcome:
-        reply = await self.ask(Hello("t", target.vocab_size, target.tokenizer_fingerprint))
-        assert isinstance(reply, Welcome), reply
-        return reply
-
-    async def open(self, prompt: np.ndarray = PROMPT, ref: int = 1) -> tuple[bytes, Proposal]:
-        await self.send(Open(ref, prompt, SamplingParams(), 4))
-        opened, proposal = await self.recv(), await self.recv()
-        assert isinstance(opened, Opened) and isinstance(proposal, Proposal), (opened, proposal)
-        return opened.tag, proposal
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-
-@pytest.fixture
-async def raw(running_hub: RunningHub):
-    targets: list[RawTarget] = []
-
-    def make() -> RawTarget:
-        targets.append(RawTarget(running_hub.endpoint))
-        return targets[-1]
-
-    yield make
-    for t in targets:
-        t.close()
 
 
 def _header(kind: int, body: object, version: int = protocol.PROTOCOL_VERSION) -> bytes:

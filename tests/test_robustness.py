@@ -1,0 +1,257 @@
+"""Duplicates, reordering, leases, quotas, fairness, draining; a fuzz of the hub dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import PROMPT, RunningHub
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_hub import _greedy_reference
+
+from edge.client import HubClient, TargetInfo
+from edge.speculate import generate_speculative
+from edge.verifier import TargetSequence
+from starsd import hub as hub_module
+from starsd import models, protocol, transport
+from starsd.protocol import (
+    Close,
+    Draft,
+    Error,
+    ErrorCode,
+    Hello,
+    Open,
+    Opened,
+    Ping,
+    Pong,
+    Proposal,
+    SamplingParams,
+    StatsRequest,
+)
+from starsd.scheduler import FairQueue
+
+# ---------------------------------------------------------------------- duplicates and order
+
+
+async def test_duplicate_and_reordered_drafts_never_apply_twice(
+    raw, llama_target: models.LoadedModel
+) -> None:
+    noisy, clean = raw(), raw()
+    for t in (noisy, clean):
+        await t.hello(llama_target)
+    tag, _ = await noisy.open()
+    ref_tag, _ = await clean.open(ref=2)
+    verdicts = [(1, [7]), (0, [9]), (2, [11])]
+    for seq, (accepted, appended) in enumerate(verdicts, start=1):
+        draft = Draft(tag, seq, accepted, np.array(appended, dtype=np.int32))
+        await noisy.send(draft)
+        await noisy.send(draft)  # a duplicate, and a stale and a future seq
+        await noisy.send(Draft(tag, seq - 1, accepted, np.array(appended, dtype=np.int32)))
+        await noisy.send(Draft(tag, seq + 5, 0, np.array(appended, dtype=np.int32)))
+        replies = [await noisy.recv() for _ in range(4)]
+        proposals = [r for r in replies if isinstance(r, Proposal)]
+        errors = sorted(r.code for r in replies if isinstance(r, Error))
+        assert len(proposals) == 1 and set(errors) <= {ErrorCode.BUSY, ErrorCode.OUT_OF_ORDER}
+        reference = await clean.ask(Draft(ref_tag, seq, accepted, np.array(appended, np.int32)))
+        assert isinstance(reference, Proposal)
+        assert proposals[0].tokens.tolist() == reference.tokens.tolist()  # same state as once
+
+
+async def test_client_ignores_duplicate_and_stale_proposals(
+    running_hub: RunningHub, llama_target: models.LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deliver = HubClient._deliver
+
+    def twice(self: HubClient, key: int | bytes, msg: protocol.Message) -> None:
+        deliver(self, key, msg)
+        if isinstance(msg, Proposal):  # every proposal twice, then a stale one
+            deliver(self, key, msg)
+            deliver(self, key, Proposal(msg.tag, msg.seq - 1, msg.tokens[::-1]))
+
+    monkeypatch.setattr(HubClient, "_deliver", twice)
+    ctx = transport.new_context()
+    info = TargetInfo("t", llama_target.vocab_size, llama_target.tokenizer_fingerprint)
+    client = HubClient(ctx, running_hub.endpoint, info)
+    await client.connect()
+    seq = TargetSequence(llama_target, PROMPT.tolist(), SamplingParams(), 30)
+    with ThreadPoolExecutor(1) as pool:
+        await generate_speculative(client, seq, 4, pool)
+    await client.aclose()
+    ctx.term()
+    assert seq.generated == _greedy_reference(llama_target, PROMPT.tolist(), 30)
+    assert seq.stats.rounds > 0
+
+
+# ---------------------------------------------------------------------- leases, quotas, drain
+
+
+async def test_a_silent_target_loses_its_sessions_after_its_lease(
+    raw, running_hub: RunningHub, llama_target: models.LoadedModel
+) -> None:
+    hub = running_hub.hub
+    silent, talking = raw(), raw()
+    for t in (silent, talking):
+        await t.hello(llama_target)
+    silent_tag, _ = await silent.open()
+    talking_tag, _ = await talking.open(ref=2)
+    lease = hub_module.LEASE_INTERVALS * hub.config.heartbeat_s
+    assert hub.expire_leases(hub.peers[_routing_id(hub, talking_tag)].last_seen + 0.1) == 0
+    later = max(p.last_seen for p in hub.peers.values()) + lease + 0.01
+    await talking.ask(Ping(1))  # renews the talking target's lease only
+    hub.peers[_routing_id(hub, talking_tag)].last_seen = later
+    assert hub.expire_leases(later) == 1
+    assert silent_tag not in hub.sessions and talking_tag in hub.sessions
+    reply = await silent.ask(Draft(silent_tag, 1, 0, PROMPT[:1]))
+    assert isinstance(reply, Error) and reply.code == ErrorCode.NOT_WELCOMED
+
+
+def _routing_id(hub: hub_module.Hub, tag: bytes) -> bytes:
+    return hub.sessions[tag].routing_id
+
+
+async def test_per_target_session_quota(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
+) -> None:
+    config = hub_module.HubConfig(model=str(llama_pair[1]), max_sessions_per_target=2)
+    hub = hub_module.build_hub(config)
+    hello = Hello("t", llama_target.vocab_size, llama_target.tokenizer_fingerprint)
+    hub.handle(b"A", protocol.encode(hello))
+    hub.handle(b"B", protocol.encode(hello))
+    opens = [hub.handle(b"A", protocol.encode(Open(i, PROMPT, SamplingParams(), 4)))[0]
+             for i in range(3)]  # fmt: skip
+    assert [type(r).__name__ for r in opens] == ["Opened", "Opened", "Error"]
+    assert isinstance(opens[2], Error) and opens[2].code == ErrorCode.RESOURCE_EXHAUSTED
+    other = hub.handle(b"B", protocol.encode(Open(9, PROMPT, SamplingParams(), 4)))[0]
+    assert isinstance(other, Opened)  # the quota is per target
+
+
+async def test_draining_refuses_new_work_and_says_why(
+    raw, running_hub: RunningHub, llama_target: models.LoadedModel
+) -> None:
+    target = raw()
+    await target.hello(llama_target)
+    tag, _ = await target.open()
+    running_hub.hub.draining = True
+    for msg in (Open(5, PROMPT, SamplingParams(), 4), Draft(tag, 1, 0, PROMPT[:1])):
+        reply = await target.ask(msg)
+        assert isinstance(reply, Error) and reply.code == ErrorCode.SHUTTING_DOWN
+
+
+def test_fair_queue_serves_targets_in_turn() -> None:
+    q: FairQueue[str] = FairQueue()
+    for i in range(6):
+        q.put("chatty", f"c{i}")
+    q.put("quiet", "q0")
+    q.put("other", "o0")
+    assert q.take(4) == ["c0", "q0", "o0", "c1"]  # one per target, in turn
+    assert q.take(10) == ["c2", "c3", "c4", "c5"]
+    q.close()
+    assert q.take(1) is None
+
+
+# ---------------------------------------------------------------------- fuzz
+
+
+def _valid_messages(target: models.LoadedModel) -> list[protocol.Message]:
+    tag = b"\x01" * protocol.TAG_BYTES
+    return [
+        Hello("t", target.vocab_size, target.tokenizer_fingerprint),
+        Open(1, PROMPT, SamplingParams(), 4),
+        Open(2, PROMPT, SamplingParams(0.8, 5, 0.9, 3), 2),
+        Draft(tag, 1, 0, PROMPT[:2]),
+        Close(tag),
+        Ping(3),
+        StatsRequest(4),
+    ]
+
+
+def _mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
+    frames = [bytearray(f) for f in frames]
+    for _ in range(rng.randint(1, 4)):
+        f = frames[rng.randrange(len(frames))]
+        op = rng.randrange(4)
+        if op == 0 and f:
+            f[rng.randrange(len(f))] = rng.randrange(256)
+        elif op == 1:
+            del f[rng.randrange(len(f) + 1) :]
+        elif op == 2:
+            f[rng.randrange(len(f) + 1) : 0] = rng.randbytes(rng.randint(1, 16))
+        else:
+            frames.append(bytearray(rng.randbytes(rng.randint(0, 64))))
+    return [bytes(f) for f in frames]
+
+
+def _assert_sane(hub: hub_module.Hub, replies: list[protocol.Message]) -> None:
+    for reply in replies:
+        assert not (isinstance(reply, Error) and reply.code == ErrorCode.INTERNAL), reply
+        protocol.decode(protocol.encode(reply))  # every reply is itself a valid message
+    assert len(hub.peers) <= 1 and len(hub.sessions) <= hub.config.max_sessions_per_target
+
+
+@pytest.fixture(scope="module")
+def fuzz_hub(llama_pair: tuple[Path, Path]) -> hub_module.Hub:
+    return hub_module.build_hub(hub_module.HubConfig(model=str(llama_pair[1])))
+
+
+def test_fuzz_mutated_messages(fuzz_hub: hub_module.Hub, llama_target: models.LoadedModel) -> None:
+    rng = random.Random(1234)
+    valid = [protocol.encode(m) for m in _valid_messages(llama_target)]
+    valid = [[bytes(f) for f in frames] for frames in valid]
+    tracemalloc.start()
+    try:
+        for _ in range(10_000):
+            frames = _mutate(rng, rng.choice(valid))
+            _assert_sane(fuzz_hub, fuzz_hub.handle(b"fuzz", frames))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20  # bounded: nothing is allocated for what is refused
+    ok = fuzz_hub.handle(b"fuzz", protocol.encode(Ping(99)))
+    assert isinstance(ok[0], Pong) and ok[0].nonce == 99
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+_FIELDS = ["ref", "tag", "seq", "accepted", "gamma", "sampling", "nonce", "arrays", "model",
+           "vocab_size", "tokenizer", "version", "prompt", "appended"]  # fmt: skip
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(kind=st.integers(0, 20), body=st.dictionaries(st.sampled_from(_FIELDS), _values,
+                                                     max_size=6),
+       arrays=st.lists(st.binary(max_size=64), max_size=3))  # fmt: skip
+def test_fuzz_structured_bodies(
+    fuzz_hub: hub_module.Hub, kind: int, body: dict, arrays: list[bytes]
+) -> None:
+    import msgpack
+
+    header = bytes((protocol.PROTOCOL_VERSION, kind)) + msgpack.packb(body, use_bin_type=True)
+    _assert_sane(fuzz_hub, fuzz_hub.handle(b"fuzz", [header, *arrays]))
+
+
+async def test_socket_burst_of_garbage_then_service(
+    raw, running_hub: RunningHub, llama_target: models.LoadedModel
+) -> None:
+    rng = random.Random(7)
+    valid = [[bytes(f) for f in protocol.encode(m)] for m in _valid_messages(llama_target)]
+    attacker, bystander = raw(), raw()
+    await bystander.hello(llama_target)
+    tag, _ = await bystander.open()
+    for _ in range(2000):
+        await attacker.send_frames(_mutate(rng, rng.choice(valid)))
+    await asyncio.sleep(0.2)
+    reply = await bystander.ask(Draft(tag, 1, 0, PROMPT[:1]))
+    assert isinstance(reply, Proposal) and reply.seq == 1
