@@ -69,6 +69,7 @@ class TargetInfo:
     model: str
     vocab_size: int
     tokenizer: str
+    feature_width: int = 0  # > 0: this target can send its features (for EAGLE hubs)
 
 
 class HubClient:
@@ -110,8 +111,7 @@ class HubClient:
 
     async def _handshake(self, timeout: float) -> Welcome:
         self._hello = asyncio.get_running_loop().create_future()
-        await transport.send(self.sock, Hello(self.info.model, self.info.vocab_size,
-                                              self.info.tokenizer))  # fmt: skip
+        await transport.send(self.sock, self._hello_msg())
         try:
             reply = await asyncio.wait_for(asyncio.shield(self._hello), timeout)
         except asyncio.TimeoutError:
@@ -133,10 +133,15 @@ class HubClient:
 
     def _check_welcome(self, welcome: Welcome) -> None:
         # The hub checks too; checking here as well means a lax or old hub cannot slip through.
-        hello = Hello(self.info.model, self.info.vocab_size, self.info.tokenizer)
+        hello = self._hello_msg()
         problems = protocol.compatibility_problems(welcome, hello)
         if problems:
             raise HubError(ErrorCode.INCOMPATIBLE, problems)
+
+    def _hello_msg(self) -> Hello:
+        info = self.info
+        return Hello(info.model, info.vocab_size, info.tokenizer,
+                     feature_width=info.feature_width)  # fmt: skip
 
     def mark_down(self, reason: str) -> None:
         """Stop using the hub until a new WELCOME; sessions of this generation are void."""
@@ -164,9 +169,15 @@ class HubClient:
         except HubError as exc:
             log.error("hub refused this target: %s", exc)
 
+    @property
+    def wants_features(self) -> bool:
+        """Whether the hub drafts from target features (EAGLE): OPEN and DRAFT must carry them."""
+        return self.welcome is not None and self.welcome.feature_width > 0
+
     async def open(
-        self, prompt: list[int], params: SamplingParams, gamma: int, timeout: float = 10.0
-    ) -> tuple[bytes, asyncio.Queue[protocol.Message]]:
+        self, prompt: list[int], params: SamplingParams, gamma: int, timeout: float = 10.0,
+        features: np.ndarray | None = None,
+    ) -> tuple[bytes, asyncio.Queue[protocol.Message]]:  # fmt: skip
         """Open a session; returns its tag and the queue its proposals arrive on.
 
         Raises HubUnavailable after ``timeout`` (an OPENED arriving later is closed at once).
@@ -174,7 +185,7 @@ class HubClient:
         ref = next(self._refs)
         inbox: asyncio.Queue[protocol.Message] = asyncio.Queue()
         self._waiting[ref] = inbox
-        msg = Open(ref, np.asarray(prompt, dtype=np.int32), params, gamma)
+        msg = Open(ref, np.asarray(prompt, dtype=np.int32), params, gamma, features)
         try:
             await transport.send(self.sock, msg)
             reply = await asyncio.wait_for(inbox.get(), timeout)
@@ -187,10 +198,13 @@ class HubClient:
         assert isinstance(reply, Opened)
         return reply.tag, inbox
 
-    async def draft(self, tag: bytes, seq: int, accepted: int, appended: list[int]) -> None:
+    async def draft(
+        self, tag: bytes, seq: int, accepted: int, appended: list[int],
+        features: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
         """Send the verdict on proposal ``seq - 1`` and ask for proposal ``seq``."""
-        await transport.send(self.sock, Draft(tag, seq, accepted,
-                                              np.asarray(appended, dtype=np.int32)))  # fmt: skip
+        ids = np.asarray(appended, dtype=np.int32)
+        await transport.send(self.sock, Draft(tag, seq, accepted, ids, features))
 
     async def stats(self, timeout: float = 10.0) -> Stats:
         """The hub's counters (STATS_REQUEST -> STATS)."""

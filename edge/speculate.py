@@ -94,8 +94,9 @@ async def _open(
 ) -> HubSession | None:  # fmt: skip
     tokens = [*seq.prompt, *seq.generated]
     generation = client.generation
+    features = seq.features(0, len(tokens) - 1) if client.wants_features else None
     try:
-        tag, inbox = await client.open(tokens, params, gamma, fallback.open_timeout_s)
+        tag, inbox = await client.open(tokens, params, gamma, fallback.open_timeout_s, features)
     except HubUnavailable as exc:
         client.mark_down(str(exc))
         return None
@@ -168,15 +169,16 @@ async def _answer(
         accepted, appended = await loop.run_in_executor(pool, seq.verify, drafts, q)
     else:
         appended = [*seq.prompt, *seq.generated][session.synced :]
+    synced, session.synced = session.synced, seq.committed
     session.expected += 1
-    session.synced = seq.committed
     session.asked_at = time.monotonic()
     if seq.done:
         return
     if len(appended) > protocol.MAX_APPENDED:
         session.asked_at = float("-inf")  # too far behind: the next round re-opens instead
         return
-    await client.draft(session.tag, session.expected, accepted, appended)
+    features = seq.features(synced - 1, seq.committed - 1) if client.wants_features else None
+    await client.draft(session.tag, session.expected, accepted, appended, features)
 
 
 def usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], torch.Tensor | None]:
@@ -186,7 +188,7 @@ def usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], to
         room = min(room, seq.target.max_positions - seq.committed)
     n = max(0, min(len(proposal.tokens), room))
     drafts = [int(t) for t in proposal.tokens[:n]]
-    if seq.params.greedy:
+    if seq.params.greedy or n == 0:
         return drafts, None
     if proposal.q_probs is None:
         raise HubError(protocol.ErrorCode.MALFORMED, "sampled proposal without q probabilities")

@@ -142,14 +142,19 @@ def _row_sampling(row: dict[str, Any], config: TargetConfig, index: int) -> Samp
 
 
 def new_sequence(
-    target: models.LoadedModel, config: TargetConfig, request: Request, index: int
-) -> TargetSequence:
-    """A fresh sequence for ``request``; seeds differ per request but not per run."""
+    target: models.LoadedModel, config: TargetConfig, request: Request, index: int,
+    collect_features: bool = False,
+) -> TargetSequence:  # fmt: skip
+    """A fresh sequence for ``request``; seeds differ per request but not per run.
+
+    With a hub, features are always collected: whichever hub serves the sequence later (an
+    EAGLE hub needs them from the first position on) can then be given them.
+    """
     params = request.sampling or SamplingParams(
         config.temperature, config.top_k, config.top_p, config.seed + index
     )
     prompt = models.encode_text(target, request.prompt)
-    return TargetSequence(target, prompt, params, request.max_new_tokens)
+    return TargetSequence(target, prompt, params, request.max_new_tokens, collect_features)
 
 
 def to_result(target: models.LoadedModel, request: Request, seq: TargetSequence) -> Result:
@@ -166,14 +171,15 @@ async def run_with_hub(
 ) -> list[Result]:
     """Connect, run every request with ``concurrency`` sequences in flight, disconnect."""
     ctx = transport.new_context()
-    info = TargetInfo(target.name, target.vocab_size, target.tokenizer_fingerprint)
+    info = TargetInfo(target.name, target.vocab_size, target.tokenizer_fingerprint,
+                      models.hidden_size(target))  # fmt: skip
     client = HubClient(ctx, config.hub, info, config.curve)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
     limit = asyncio.Semaphore(config.concurrency)
 
     async def one(index: int, request: Request) -> Result:
         async with limit:
-            seq = new_sequence(target, config, request, index)
+            seq = new_sequence(target, config, request, index, collect_features=True)
             await generate_speculative(client, seq, config.gamma, pool, config.fallback)
             _log_sequence(request, seq)
             return to_result(target, request, seq)

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from starsd import models, sampling
@@ -59,6 +60,7 @@ class TargetSequence:
         prompt: list[int],
         params: SamplingParams,
         max_new_tokens: int,
+        collect_features: bool = False,
     ) -> None:
         if not prompt:
             raise ValueError("the prompt must have at least one token")
@@ -71,8 +73,13 @@ class TargetSequence:
         self.done = max_new_tokens <= 0
         self.stats = SequenceStats()
         self.cache: Any = models.new_cache(target)
+        # EAGLE hubs draft from the target's features: one row per committed position but the
+        # last (whose forward has not run yet), kept in float16 for the wire.
+        self.collect_features = collect_features
+        self.feature_rows: list[torch.Tensor] = []  # each [H] float16
         if len(prompt) > 1:
-            models.forward(target, prompt[:-1], self.cache)  # prefill all but the last token
+            self._forward(prompt[:-1])  # prefill all but the last token
+            self.stats.target_forwards -= 1
         self.stats.last_commit = time.perf_counter()  # latency counts decoding, not the prefill
 
     @property
@@ -101,9 +108,10 @@ class TargetSequence:
         """
         gamma = len(draft_tokens)
         cached = self.committed - 1
-        logits = self._forward([self.last, *draft_tokens])  # [gamma + 1, V]
+        logits = self._forward([self.last, *draft_tokens], keep=None)  # [gamma + 1, V]
         accepted, token = self._judge(draft_tokens, q_probs, logits)
         models.crop_cache(self.cache, cached + 1 + accepted)  # keep last + accepted drafts
+        self._keep_features(accepted + 1)
         self.stats.rounds += 1
         self.stats.proposed += gamma
         self.stats.accepted += accepted
@@ -114,6 +122,8 @@ class TargetSequence:
         self, draft_tokens: list[int], q_probs: torch.Tensor | None, p_logits: torch.Tensor
     ) -> tuple[int, int]:
         drafts = torch.tensor(draft_tokens, dtype=torch.long)  # [gamma]
+        if not draft_tokens:  # nothing to verify: the target's own next token
+            return 0, sampling.next_token(p_logits[0], self.params, self.generator)
         if self.params.greedy:
             return sampling.greedy_verify(drafts, p_logits)
         if q_probs is None:
@@ -124,9 +134,30 @@ class TargetSequence:
         )
         return int(accepted[0]), int(token[0])
 
-    def _forward(self, token_ids: list[int]) -> torch.Tensor:
+    def features(self, start: int, stop: int) -> np.ndarray:
+        """Features of positions ``start .. stop - 1`` as [n, H] float16 (collect_features)."""
+        rows = self.feature_rows[start:stop]
+        if len(rows) != stop - start:
+            raise ValueError(f"features {start}..{stop} not available ({len(self.feature_rows)})")
+        if not rows:
+            return np.zeros((0, models.hidden_size(self.target)), dtype=np.float16)
+        return torch.stack(rows).numpy()
+
+    def _forward(self, token_ids: list[int], keep: int | None = -1) -> torch.Tensor:
+        """Logits [n, V]; with collect_features, keeps the first ``keep`` rows' features
+        (-1: all; None: hold them until :meth:`_keep_features` knows how many stay)."""
         self.stats.target_forwards += 1
-        return models.forward(self.target, token_ids, self.cache)
+        if not self.collect_features:
+            return models.forward(self.target, token_ids, self.cache)
+        logits, features = models.forward_with_features(self.target, token_ids, self.cache)
+        self._pending_features = features.to(torch.float16)  # [n, H]
+        if keep is not None:
+            self._keep_features(len(token_ids) if keep == -1 else keep)
+        return logits
+
+    def _keep_features(self, n: int) -> None:
+        if self.collect_features:
+            self.feature_rows.extend(self._pending_features[:n].unbind(0))
 
     def _commit(self, tokens: list[int]) -> None:
         # Stop exactly where the target alone would: at the first EOS (kept) or the length limit.

@@ -31,6 +31,8 @@ class DraftState:
     generator: torch.Generator
     cache: Any
     proposed: list[int] = field(default_factory=list)  # the last proposal's draft tokens
+    real_pairs: int = 0  # EAGLE: leading cache positions fed with the target's own features
+    last_feature: Any = None  # EAGLE: [H] the head's prediction at the last real pair
 
 
 @dataclass(frozen=True)
@@ -43,15 +45,18 @@ class DraftJob:
     accepted: int
     appended: tuple[int, ...]
     enqueued_at: float = field(default_factory=time.perf_counter)
+    features: np.ndarray | None = None  # EAGLE: [n, H] target features that came with it
 
 
 class Drafter:
     """Chain drafting with a separate small causal LM (``--draft-kind llm``)."""
 
     kind = "llm"
+    feature_width = 0  # > 0: drafts from target features, which OPEN and DRAFT must carry
 
     def __init__(self, draft: models.LoadedModel) -> None:
         self.draft = draft
+        self.max_positions = draft.max_positions
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> DraftState:
         """Draft state for a new session; nothing is computed until its first job."""
@@ -84,17 +89,17 @@ class Drafter:
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         for i in range(gamma):
-            token, q = _draw(logits, state.params, state.generator)
+            token, q = draw(logits, state.params, state.generator)
             tokens.append(token)
             if q is not None:
                 q_rows.append(q)
             if i < gamma - 1:
                 logits = models.forward(self.draft, [token], state.cache)[-1]
         state.proposed = tokens
-        return _proposal(job, tokens, q_rows, state.params)
+        return make_proposal(job, tokens, q_rows, state.params)
 
     def _fitting_gamma(self, state: DraftState) -> int:
-        limit = self.draft.max_positions
+        limit = self.max_positions
         if limit is None:
             return state.gamma
         return min(state.gamma, limit - len(state.tokens))
@@ -113,7 +118,7 @@ class NullDrafter(Drafter):
         state.tokens.extend(state.proposed[: job.accepted])
         state.tokens.extend(job.appended)
         state.proposed = [state.tokens[-1]] * state.gamma
-        return _proposal(job, state.proposed, [], state.params)
+        return make_proposal(job, state.proposed, [], state.params)
 
 
 DRAFTERS: dict[str, type[Drafter]] = {"llm": Drafter, "null": NullDrafter}
@@ -134,7 +139,7 @@ def apply_verdict(state: DraftState, accepted: int, appended: tuple[int, ...]) -
     return state.tokens[valid:]
 
 
-def _draw(
+def draw(
     logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
 ) -> tuple[int, torch.Tensor | None]:
     if params.greedy:
@@ -143,11 +148,11 @@ def _draw(
     return int(sampling.sample(q[None], gen)[0]), q
 
 
-def _proposal(
+def make_proposal(
     job: DraftJob, tokens: list[int], q_rows: list[torch.Tensor], params: SamplingParams
 ) -> Proposal:
     token_arr = np.asarray(tokens, dtype=np.int32)  # [gamma]
-    if params.greedy:
+    if params.greedy or not tokens:
         return Proposal(tag=job.tag, seq=job.seq, tokens=token_arr)
     q = torch.stack(q_rows)  # [gamma, V]
     if params.truncated:

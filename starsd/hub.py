@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq.asyncio
@@ -53,6 +54,9 @@ from starsd.protocol import (
 from starsd.scheduler import FairQueue
 from starsd.stats import HubStats, TargetStats
 
+if TYPE_CHECKING:
+    from starsd import models
+
 log = logging.getLogger("starsd.hub")
 
 LEASE_INTERVALS = 3  # a target silent for this many heartbeat intervals is presumed dead
@@ -74,6 +78,7 @@ class HubConfig:
     threads: int = 1
     stats_interval: float = 10.0
     draft_kind: str = "llm"
+    target: str | None = None  # EAGLE: the target's directory (embedding, LM head, tokenizer)
     heartbeat_s: float = 1.0
     drain_timeout_s: float = 5.0
     curve_secret: str | None = None
@@ -120,7 +125,7 @@ class Hub:
         self.welcome = welcome
         self.epoch = welcome.epoch
         self.vocab_size = welcome.vocab_size
-        self.max_positions = drafter.draft.max_positions
+        self.max_positions = drafter.max_positions
         self.peers: dict[bytes, Peer] = {}  # by routing id
         self.sessions: dict[bytes, Session] = {}
         self.stats = HubStats()
@@ -379,7 +384,7 @@ class Hub:
         self.sessions[tag] = session
         peer.tags.add(tag)
         peer.stats.sessions += 1
-        self._enqueue(session, DraftJob(tag, 0, state, 0, ()))
+        self._enqueue(session, DraftJob(tag, 0, state, 0, (), features=msg.features))
         return [Opened(ref=msg.ref, tag=tag)]
 
     def _open_refusal(self, peer: Peer, msg: Open) -> tuple[str, str] | None:
@@ -396,6 +401,24 @@ class Hub:
             return ErrorCode.INVALID_ARGUMENT, f"gamma {gamma} outside 1..{self.config.max_gamma}"
         if problem:
             return ErrorCode.INVALID_ARGUMENT, f"prompt: {problem}"
+        return self._feature_problem(msg.features, msg.prompt.size - 1)
+
+    def _feature_problem(self, features: np.ndarray | None, rows: int) -> tuple[str, str] | None:
+        """Features must come exactly when the drafter uses them, with the announced shape and
+        dtype and finite values; anything else is refused before state changes."""
+        width, dtype = self.welcome.feature_width, self.welcome.feature_dtype
+        if not width:
+            if features is None:
+                return None
+            return ErrorCode.INVALID_ARGUMENT, "this hub does not take features"
+        if features is None:
+            return ErrorCode.INVALID_ARGUMENT, f"features [{rows}, {width}] are required"
+        if features.shape != (rows, width) or features.dtype.name != dtype:
+            return ErrorCode.INVALID_ARGUMENT, (
+                f"features must be [{rows}, {width}] {dtype}, got "
+                f"{list(features.shape)} {features.dtype.name}")  # fmt: skip
+        if not np.isfinite(features).all():
+            return ErrorCode.INVALID_ARGUMENT, "features contain NaN or infinity"
         return None
 
     def _draft(self, peer: Peer, msg: Draft) -> list[protocol.Message]:
@@ -407,7 +430,8 @@ class Hub:
         if session.routing_id != peer.routing_id:  # the owner reconnected (same CURVE key)
             self._move(session, peer)
         appended = tuple(int(t) for t in msg.appended)
-        self._enqueue(session, DraftJob(msg.tag, msg.seq, session.state, msg.accepted, appended))
+        self._enqueue(session, DraftJob(msg.tag, msg.seq, session.state, msg.accepted, appended,
+                                        features=msg.features))  # fmt: skip
         return []
 
     def _draft_refusal(self, session: Session, msg: Draft) -> tuple[str, str] | None:
@@ -426,7 +450,7 @@ class Hub:
         problem = self._token_problem(msg.appended, allow_empty=True)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, f"appended: {problem}"
-        return None
+        return self._feature_problem(msg.features, msg.accepted + msg.appended.size)
 
     def _owned(self, peer: Peer, tag: bytes, seq: int | None) -> Session:
         session = self.sessions.get(tag)
@@ -520,8 +544,12 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--max-batch", type=int, default=HubConfig.max_batch)
     p.add_argument("--threads", type=int, default=HubConfig.threads, help="torch threads")
     p.add_argument("--stats-interval", type=float, default=HubConfig.stats_interval)
-    p.add_argument("--draft-kind", default=HubConfig.draft_kind, choices=sorted(DRAFTERS),
-                   help="llm: a draft causal LM; null: no model work (overhead benchmarks)")
+    p.add_argument("--draft-kind", default=HubConfig.draft_kind,
+                   choices=sorted([*DRAFTERS, "eagle"]),
+                   help="llm: a draft causal LM (--model); eagle: an EAGLE head (--model) on "
+                        "the target's embedding and LM head (--target); null: no model work")
+    p.add_argument("--target", help="eagle: the target model directory (default: the "
+                                    "project's default target)")  # fmt: skip
     p.add_argument("--heartbeat-s", type=float, default=HubConfig.heartbeat_s,
                    help="liveness interval; a target silent for 3 intervals is freed")
     p.add_argument("--drain-timeout-s", type=float, default=HubConfig.drain_timeout_s)
@@ -536,24 +564,43 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
 
 
 def build_hub(config: HubConfig) -> Hub:
-    """Load the draft model and assemble a hub (no sockets yet)."""
+    """Load the drafter and assemble a hub (no sockets yet)."""
     import torch
 
     from starsd import models
 
     torch.set_num_threads(config.threads)
-    draft = models.load_causal_lm(config.model, config.device, config.dtype)
+    if config.draft_kind == "eagle":
+        drafter, info = _eagle_drafter(config)
+    else:
+        draft = models.load_causal_lm(config.model, config.device, config.dtype)
+        drafter = DRAFTERS[config.draft_kind](draft)
+        info = models.TokenizerInfo(draft.name, draft.vocab_size, draft.tokenizer_fingerprint,
+                                    draft.max_positions)  # fmt: skip
     welcome = Welcome(
         model=Path(config.model).name or config.model,
-        vocab_size=draft.vocab_size,
-        tokenizer=draft.tokenizer_fingerprint,
+        vocab_size=info.vocab_size,
+        tokenizer=info.tokenizer_fingerprint,
         epoch=secrets.token_bytes(protocol.EPOCH_BYTES),
         default_gamma=config.gamma,
         max_gamma=config.max_gamma,
         draft_kind=config.draft_kind,
         heartbeat_ms=int(1000 * config.heartbeat_s),
+        feature_width=drafter.feature_width,
     )
-    return Hub(config, DRAFTERS[config.draft_kind](draft), welcome)
+    return Hub(config, drafter, welcome)
+
+
+def _eagle_drafter(config: HubConfig) -> tuple[Drafter, models.TokenizerInfo]:
+    from starsd import eagle, models
+    from starsd.eagle_drafter import EagleDrafter
+
+    target_dir = config.target or str(models.DEFAULT_TARGET_DIR)
+    head = eagle.load_eagle_head(config.model, target_dir, config.dtype, config.device)
+    info = models.load_tokenizer_info(target_dir)
+    log.info("EAGLE head %s on target %s's embedding and LM head (width %d)", config.model,
+             info.name, head.config.hidden_size)  # fmt: skip
+    return EagleDrafter(head, info.max_positions), info
 
 
 async def run(config: HubConfig) -> None:

@@ -117,6 +117,42 @@ def forward(loaded: LoadedModel, token_ids: list[int], cache: Any) -> torch.Tens
     return out.logits[0].float().cpu()
 
 
+@torch.inference_mode()
+def forward_with_features(
+    loaded: LoadedModel, token_ids: list[int], cache: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`forward`, plus the features EAGLE drafts from: the last hidden state after
+    the final norm, so ``lm_head(features) == logits``. Returns ([n, V], [n, H]) float32 CPU."""
+    ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, n]
+    out = loaded.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
+    return out.logits[0].float().cpu(), out.hidden_states[-1][0].float().cpu()
+
+
+def hidden_size(loaded: LoadedModel) -> int:
+    """Width of the model's features (its last hidden state)."""
+    return int(loaded.model.get_output_embeddings().weight.shape[1])
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What a hub that never loads a causal LM (EAGLE) needs from the target's directory."""
+
+    name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_positions: int | None
+
+
+def load_tokenizer_info(path: str | Path) -> TokenizerInfo:
+    """Tokenizer fingerprint, vocabulary and position limit of a model directory, no weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return TokenizerInfo(Path(str(path)).name, int(config.vocab_size),
+                         tokenizer_fingerprint(tokenizer), _max_positions(config))  # fmt: skip
+
+
 def encode_text(loaded: LoadedModel, text: str) -> list[int]:
     """Token ids of a prompt (with the tokenizer's own special-token convention)."""
     return list(loaded.tokenizer(text)["input_ids"])

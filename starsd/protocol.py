@@ -106,6 +106,7 @@ class Hello:
     vocab_size: int
     tokenizer: str  # tokenizer fingerprint (see starsd.models.tokenizer_fingerprint)
     version: int = PROTOCOL_VERSION
+    feature_width: int = 0  # hidden size of the features the target can send (0: none)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ class Welcome:
     draft_kind: str = "llm"
     heartbeat_ms: int = 1000  # send something at least this often; 3 silent intervals = dead
     version: int = PROTOCOL_VERSION
+    feature_width: int = 0  # > 0: the hub drafts from target features (EAGLE) of this width
+    feature_dtype: str = "float16"  # and expects them in this dtype
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,8 @@ class Open:
     prompt: np.ndarray = field(repr=False)  # [n_prompt] int32 token ids
     sampling: SamplingParams
     gamma: int
+    # EAGLE hubs only: [n_prompt - 1, H] target features of every prompt position but the last
+    features: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,9 @@ class Draft:
     seq: int
     accepted: int
     appended: np.ndarray = field(repr=False)  # [n_appended] int32
+    # EAGLE hubs only: [accepted + n_appended, H] features of the positions committed since the
+    # last message, up to but excluding the new last token (the target has not run it yet)
+    features: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -263,6 +271,10 @@ def compatibility_problems(welcome: Welcome, hello: Hello) -> str:
         problems.append(f"vocab_size differs (hub {welcome.vocab_size}, target {hello.vocab_size})")
     if hello.tokenizer != welcome.tokenizer:
         problems.append(f"tokenizer differs (hub {welcome.tokenizer}, target {hello.tokenizer})")
+    if welcome.feature_width and hello.feature_width != welcome.feature_width:
+        offered = f"width {hello.feature_width}" if hello.feature_width else "none"
+        problems.append(f"the hub drafts with {welcome.draft_kind} and needs target features of "
+                        f"width {welcome.feature_width}; the target offers {offered}")
     return "; ".join(problems)
 
 
@@ -272,11 +284,12 @@ _INT = (int,)
 _OPT_INT = (int, type(None))
 _NUM = (float, int)
 _SCHEMAS: dict[type, dict[str, tuple[type, ...]]] = {
-    Hello: {"model": (str,), "vocab_size": _INT, "tokenizer": (str,), "version": _INT},
+    Hello: {"model": (str,), "vocab_size": _INT, "tokenizer": (str,), "version": _INT,
+            "feature_width": _INT},
     Welcome: {
         "model": (str,), "vocab_size": _INT, "tokenizer": (str,), "epoch": (bytes,),
         "default_gamma": _INT, "max_gamma": _INT, "draft_kind": (str,), "heartbeat_ms": _INT,
-        "version": _INT,
+        "version": _INT, "feature_width": _INT, "feature_dtype": (str,),
     },
     Open: {"ref": _INT, "sampling": (dict,), "gamma": _INT},
     Opened: {"ref": _INT, "tag": (bytes,), "epoch": (bytes,)},
@@ -298,8 +311,14 @@ _SCHEMAS: dict[type, dict[str, tuple[type, ...]]] = {
 }  # fmt: skip
 _ARRAYS: dict[type, dict[str, tuple[frozenset[str], int, bool]]] = {
     # name: (dtypes, rank, required)
-    Open: {"prompt": (frozenset({"int32", "int64"}), 1, True)},
-    Draft: {"appended": (frozenset({"int32", "int64"}), 1, True)},
+    Open: {
+        "prompt": (frozenset({"int32", "int64"}), 1, True),
+        "features": (frozenset({"float16", "float32"}), 2, False),
+    },
+    Draft: {
+        "appended": (frozenset({"int32", "int64"}), 1, True),
+        "features": (frozenset({"float16", "float32"}), 2, False),
+    },
     Proposal: {
         "tokens": (frozenset({"int32", "int64"}), 1, True),
         "q_probs": (frozenset({"float32", "float16"}), 2, False),
@@ -326,7 +345,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
             if value is not None:
                 arr = np.ascontiguousarray(value)
                 arrays.append([f.name, arr.dtype.name, list(arr.shape)])
-                frames.append(memoryview(arr).cast("B"))  # type: ignore[arg-type]
+                # (a zero-size array has no byte view to cast: it travels as an empty frame)
+                frames.append(memoryview(arr).cast("B") if arr.size else b"")  # type: ignore[arg-type]
         elif isinstance(value, SamplingParams):
             body[f.name] = dataclasses.asdict(value)
         else:

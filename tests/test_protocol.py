@@ -165,3 +165,15 @@ def test_sampling_params_semantics() -> None:
     assert not SamplingParams(1.0).truncated
     with pytest.raises(ProtocolError):
         SamplingParams(1.0, top_p=0.0).validate()
+
+
+def test_features_and_empty_arrays_round_trip() -> None:
+    features = np.arange(12, dtype=np.float16).reshape(3, 4)
+    msg = Draft(TAG, 2, 2, np.array([5], dtype=np.int32), features)
+    out = decode(_frames(msg))
+    assert isinstance(out, Draft) and out.features is not None
+    assert out.features.dtype == np.float16 and np.array_equal(out.features, features)
+    empty = decode(_frames(Open(1, np.array([5], np.int32), SamplingParams(), 4,
+                                np.zeros((0, 4), np.float16))))  # fmt: skip
+    assert isinstance(empty, Open) and empty.features is not None
+    assert empty.features.shape == (0, 4)
