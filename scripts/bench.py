@@ -41,6 +41,7 @@ class BenchConfig:
     suite: str
     target: str
     draft: str
+    eagle: str = str(models.DEFAULT_TARGET_DIR.parent / "starsd-eagle")
     quick: bool = False
     gamma: int = 4
     max_new_tokens: int = 64
@@ -86,38 +87,60 @@ def bench_standalone(target: models.LoadedModel, cfg: BenchConfig) -> tuple[dict
                       latency_ms=latency_summary(lat)), seconds / tokens  # fmt: skip
 
 
-def bench_centralized(target: models.LoadedModel, draft: models.LoadedModel, cfg: BenchConfig
+def bench_centralized(target: models.LoadedModel, drafter: Drafter, cfg: BenchConfig
                       ) -> tuple[dict, dict[str, float]]:  # fmt: skip
-    """Draft and target in one process; also measures S(d) and the verify time per round."""
-    drafter = Drafter(draft)
+    """Draft and target in one process; also measures S(d) and the verify time per round.
+
+    The same loop serves both backends: with EAGLE the target keeps its features and each
+    job carries those the drafter has not seen, exactly as OPEN and DRAFT do over the wire.
+    """
+    eagle = drafter.feature_width > 0
     tokens = rounds = accepted = 0
     draft_s = verify_s = 0.0
     lat: list[float] = []
     started = time.perf_counter()
     for prompt in PROMPTS:
         ids = models.encode_text(target, prompt)
-        seq = TargetSequence(target, ids, SamplingParams(), cfg.max_new_tokens)
+        seq = TargetSequence(target, ids, SamplingParams(), cfg.max_new_tokens, eagle)
         state = drafter.new_state(ids, SamplingParams(), cfg.gamma)
-        job = DraftJob(b"", 0, state, 0, ())
+        job = DraftJob(b"", 0, state, 0, (), features=_features(seq, 0, eagle))
         while not seq.done:
             t0 = time.perf_counter()
             (proposal,) = drafter.propose([job])
             t1 = time.perf_counter()
+            synced = seq.committed
             n, appended = seq.verify([int(t) for t in proposal.tokens], None)  # type: ignore[union-attr]
             verify_s += time.perf_counter() - t1
             draft_s += t1 - t0
             rounds, accepted = rounds + 1, accepted + n
-            job = DraftJob(b"", job.seq + 1, state, n, tuple(appended))
+            job = DraftJob(b"", job.seq + 1, state, n, tuple(appended),
+                           features=_features(seq, synced, eagle))  # fmt: skip
         tokens += len(seq.generated)
         lat += seq.stats.token_latency_s
     rate = tokens / (time.perf_counter() - started)
     record = run_record(
         "centralized", 1, system_tokens_per_s=rate, per_target_tokens_per_s=rate,
         acceptance_rate=accepted / (rounds * cfg.gamma), mean_accepted=accepted / rounds,
-        latency_ms=latency_summary(lat),
+        latency_ms=latency_summary(lat), draft_kind=drafter.kind,
     )  # fmt: skip
     return record, {"draft_s": draft_s / rounds, "verify_s": verify_s / rounds,
                     "mean_accepted": accepted / rounds}  # fmt: skip
+
+
+def _features(seq: TargetSequence, synced: int, eagle: bool) -> Any:
+    """The features a job carries: positions since ``synced`` (0: the prompt's), EAGLE only."""
+    if not eagle:
+        return None
+    return seq.features(max(synced - 1, 0), seq.committed - 1)
+
+
+def eagle_drafter(cfg: BenchConfig) -> Drafter:
+    """The hub's EAGLE drafter for the benchmark's target, built as the hub builds it."""
+    from starsd import eagle
+    from starsd.eagle_drafter import EagleDrafter
+
+    head = eagle.load_eagle_head(cfg.eagle, cfg.target)
+    return EagleDrafter(head, models.load_tokenizer_info(cfg.target).max_positions)
 
 
 # ---------------------------------------------------------------------- multi-process modes
@@ -209,8 +232,10 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     target, draft = models.load_causal_lm(cfg.target), models.load_causal_lm(cfg.draft)
     print("[main] standalone and centralized (in process) ...", flush=True)
     standalone, t_ar = bench_standalone(target, cfg)
-    central, measured = bench_centralized(target, draft, cfg)
-    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
+    central, measured = bench_centralized(target, Drafter(draft), cfg)
+    central_eagle, measured_eagle = bench_centralized(target, eagle_drafter(cfg), cfg)
+    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint,
+                      models.hidden_size(target))  # fmt: skip
     overhead = hub_overhead(cfg, procs, work, info)
     link = overhead["round_ms"] / 1e3
     alpha = analytic.alpha_from_mean_accepted(measured["mean_accepted"], cfg.gamma)
@@ -218,25 +243,33 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
                                   link, t_ar)  # fmt: skip
     tokens = analytic.expected_tokens_per_round(alpha, cfg.gamma)
     central["predicted_system_tokens_per_s"] = tokens / (inputs.draft_s + inputs.verify_s)
-    runs = [standalone, central]
-    for mode, n in [("distributed-1to1", max(cfg.ns)), *[("one-for-many", n) for n in cfg.ns]]:
-        print(f"[main] {mode} with {n} target process(es) ...", flush=True)
-        runs.append(hub_run(cfg, procs, work, info, mode, n, inputs))
+    runs = [standalone, central, central_eagle]
+    plan = [("distributed-1to1", max(cfg.ns), "llm"), *[("one-for-many", n, "llm") for n in cfg.ns],
+            ("one-for-many", max(cfg.ns), "eagle")]  # fmt: skip
+    for mode, n, kind in plan:
+        print(f"[main] {mode} ({kind} drafter) with {n} target process(es) ...", flush=True)
+        runs.append(hub_run(cfg, procs, work, info, mode, n, inputs, kind))
     base = standalone["system_tokens_per_s"]
     return {"runs": runs, "model_inputs": asdict(inputs), "hub_overhead": overhead,
-            "speedup_vs_standalone": {f"{r['mode']}/{r['n_targets']}":
+            "eagle": {"draft_ms_per_round": 1e3 * measured_eagle["draft_s"],
+                      "llm_draft_ms_per_round": 1e3 * measured["draft_s"],
+                      "mean_accepted": measured_eagle["mean_accepted"],
+                      "llm_mean_accepted": measured["mean_accepted"]},
+            "speedup_vs_standalone": {f"{_label(r)}/{r['n_targets']}":
                                       r["system_tokens_per_s"] / base for r in runs}}  # fmt: skip
 
 
 def hub_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, mode: str, n: int,
-            inputs: analytic.ModelInputs) -> dict:  # fmt: skip
+            inputs: analytic.ModelInputs, kind: str = "llm") -> dict:  # fmt: skip
     """``n`` target processes and fresh hubs: one shared (one-for-many) or one each (1:1)."""
     n_hubs = 1 if mode == "one-for-many" else n
-    hubs = [start_hub(procs, cfg.draft, work / f"hub-{mode}-{n}-{i}.log", "--gamma",
-                      str(cfg.gamma)) for i in range(n_hubs)]  # fmt: skip
+    model, extra = (cfg.eagle, ["--draft-kind", "eagle", "--target", cfg.target]
+                    ) if kind == "eagle" else (cfg.draft, [])  # fmt: skip
+    hubs = [start_hub(procs, model, work / f"hub-{mode}-{kind}-{n}-{i}.log", "--gamma",
+                      str(cfg.gamma), *extra) for i in range(n_hubs)]  # fmt: skip
     endpoints = [ep for _, ep in hubs]
     before = [transport.run_loop(hub_stats(ep, info)) for ep in endpoints]
-    rows = run_targets(cfg, procs, work, (endpoints * n)[:n], f"{mode}-{n}")
+    rows = run_targets(cfg, procs, work, (endpoints * n)[:n], f"{mode}-{kind}-{n}")
     after = [transport.run_loop(hub_stats(ep, info)) for ep in endpoints]
     for proc, _ in hubs:
         stop(proc)
@@ -245,12 +278,16 @@ def hub_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, mo
     busy = sum(a.busy_s - b.busy_s for a, b in zip(after, before, strict=True)) / len(hubs)
     queue_ms = sum(busy_between(b, a)[1] for a, b in zip(after, before, strict=True)) / len(hubs)
     per_hub = 1 if mode == "distributed-1to1" else n  # targets each hub serves
-    return targets_record(
+    record = targets_record(
         mode, rows, cfg.gamma, hub_busy_fraction=min(1.0, busy / decode_wall),
-        queue_wait_ms=queue_ms, bytes_per_round=proposal_bytes(cfg.gamma),
+        queue_wait_ms=queue_ms, bytes_per_round=proposal_bytes(cfg.gamma), draft_kind=kind,
         predicted_system_tokens_per_s=len(hubs) * analytic.predict(
-            inputs, per_hub).system_tokens_per_s,
+            inputs, per_hub).system_tokens_per_s if kind == "llm" else None,
     )  # fmt: skip
+    if kind == "eagle":  # features of the committed positions travel up with each DRAFT
+        record["feature_bytes_per_round"] = (record["mean_accepted"] + 1) * info.feature_width * 2
+        record["bytes_per_round"] += record["feature_bytes_per_round"]
+    return record
 
 
 def emulated_run(cfg: BenchConfig, procs: Processes, work: Path, endpoint: str, n: int,
@@ -273,7 +310,8 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     echo plus the hub's own path), S(d) is the hub's busy time per proposal over the whole sweep.
     """
     target = models.load_causal_lm(cfg.target)
-    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
+    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint,
+                      models.hidden_size(target))  # fmt: skip
     overhead = hub_overhead(cfg, procs, work, info)
     hub, endpoint = start_hub(procs, cfg.draft, work / "hub-scale.log", "--gamma",
                               str(cfg.gamma), "--max-sessions", "4096")  # fmt: skip
@@ -291,7 +329,7 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
                        predicted_system_tokens_per_s=emulated_prediction(inputs, r))
             for r in reports]  # fmt: skip
     return {"runs": runs, "model_inputs": asdict(inputs), **saturation(runs, inputs),
-            "latency_std_ms": latency_steadiness(runs, analytic.saturation_point(inputs)),
+            "latency_std_ms": latency_steadiness(runs, saturation(runs, inputs)["n_full_measured"]),
             "hub_overhead": overhead}  # fmt: skip
 
 
@@ -308,7 +346,7 @@ def emulated_prediction(inputs: analytic.ModelInputs, report: dict) -> float:
 
 
 def latency_steadiness(runs: list[dict], n_full: int) -> dict:
-    """Per-token latency std at N_full against N = 1, which is exactly a 1:1 hub/target pair."""
+    """Per-token latency std at the measured N_full against N = 1 (a 1:1 hub/target pair)."""
     one = next(r for r in runs if r["n_targets"] == 1)
     full = min(runs, key=lambda r: abs(r["n_targets"] - n_full))
     return {"one_to_one": one["latency_ms"]["std"], "at_n_full": full["latency_ms"]["std"],
@@ -365,12 +403,17 @@ def markdown(result: dict) -> str:
     for r in result["runs"]:
         lat = r["latency_ms"] or {}
         lines.append(
-            f"| {r['mode']} | {r['n_targets']} | {r['system_tokens_per_s']:.1f} | "
+            f"| {_label(r)} | {r['n_targets']} | {r['system_tokens_per_s']:.1f} | "
             f"{_fmt(r['predicted_system_tokens_per_s'])} | {r['per_target_tokens_per_s']:.1f} | "
             f"{_fmt(r['hub_busy_fraction'], 2)} | {_fmt(r['mean_accepted'], 2)} | "
             f"{lat.get('mean', 0):.2f}/{lat.get('p99', 0):.2f}/{lat.get('std', 0):.2f} |"
         )
     return "\n".join(lines)
+
+
+def _label(record: dict) -> str:
+    kind = record.get("draft_kind")
+    return f"{record['mode']} ({kind})" if kind and kind != "llm" else record["mode"]
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -395,7 +438,7 @@ def plot(result: dict, path: Path) -> None:
         ax.axvline(result["n_full_model"], ls=":", c="red", label="N_full (model)")
         ax.set(xscale="log", xlabel="emulated targets N", ylabel="tokens/s")
     else:
-        labels = [f"{r['mode']}\nN={r['n_targets']}" for r in runs]
+        labels = [f"{_label(r)}\nN={r['n_targets']}" for r in runs]
         ax.bar(labels, [r["system_tokens_per_s"] for r in runs], label="measured")
         pred = [r["predicted_system_tokens_per_s"] or 0 for r in runs]
         ax.scatter(labels, pred, c="red", zorder=3, label="model")
@@ -413,6 +456,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--suite", choices=["main", "scale", "lan"], default="main")
     p.add_argument("--target", default=str(models.DEFAULT_TARGET_DIR))
     p.add_argument("--draft", default=str(models.DEFAULT_DRAFT_DIR))
+    p.add_argument("--eagle", default=BenchConfig.eagle, help="EAGLE head for the target")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--gamma", type=int, default=BenchConfig.gamma)
     p.add_argument("--alpha", type=float, default=BenchConfig.alpha)
@@ -439,8 +483,10 @@ def suite_lan(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     runs = []
     with netem.Namespaces(max(cfg.ns)) as net:
         prefix = ["ip", "netns", "exec", net.hub.netns]
+        # Plain text inside namespaces this run created and removes: --insecure says so.
         hub, _ = start_hub(procs, cfg.draft, work / "hub-lan.log", "--gamma", str(cfg.gamma),
-                           bind=f"tcp://{net.hub.ip}:5555", prefix=prefix)  # fmt: skip
+                           "--insecure", bind=f"tcp://{net.hub.ip}:5555",
+                           prefix=prefix)  # fmt: skip
         proxy = netem.ProxyConfig(net.hub.ip, 5555, net.hub.ip, 6000, cfg.delay_ms,
                                   cfg.rate_mbit, spin_ms=0.0)  # fmt: skip
         net.run_in(net.hub, netem.proxy_argv(proxy))
