@@ -49,12 +49,13 @@ def new_context() -> zmq.asyncio.Context:
 
 @dataclass(frozen=True)
 class Router:
-    """The hub's ROUTER socket: asyncio for waiting, a synchronous shadow for NOBLOCK I/O.
+    """The hub's ROUTER socket: asyncio for waiting and sending, a synchronous shadow for the
+    non-blocking receives of :func:`drain_router`.
 
-    Both objects wrap the same libzmq socket. Non-blocking receives and sends on the shadow skip
-    zmq.asyncio's future machinery (~50 us per call measured on this VM); only waiting for input
-    goes through asyncio. Everything runs on the event loop thread, so the socket is never shared
-    between threads.
+    Both objects wrap the same libzmq socket, used only on the event loop thread. Draining on
+    the shadow skips zmq.asyncio's future machinery (~50 us per message measured on this VM); it
+    reads until EAGAIN before waiting again, so no arrival is missed. Sends stay on the asyncio
+    socket (see :func:`send_to`).
     """
 
     sock: zmq.asyncio.Socket
@@ -143,17 +144,24 @@ async def drain_router(router: Router, limit: int = 1024) -> list[Received]:
 
 def send_to(router: Router, peer: bytes, msg: protocol.Message) -> bool:
     """Send ``msg`` to ``peer`` without blocking; False (and a log line) if it cannot go now."""
-    try:
-        router.raw.send_multipart([peer, *protocol.encode(msg)], flags=zmq.NOBLOCK, copy=False)
-    except zmq.Again:
+    # Through the asyncio socket, not the shadow: libzmq's socket FD is edge-triggered and a
+    # send may consume the edge of a message that arrived meanwhile; pyzmq re-checks the
+    # socket's events after its own sends and wakes a pending poll, a raw send would not (the
+    # hub then missed a target's messages until something else touched the socket). On a
+    # zmq.asyncio socket a NOBLOCK send completes at once and reports failure through the
+    # returned future.
+    frames = [peer, *protocol.encode(msg)]
+    sent: Any = router.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+    exc = sent.exception() if sent.done() else None
+    if exc is None:
+        return True
+    if isinstance(exc, zmq.Again):
         log.warning("peer %s is not reading (HWM reached): dropped %s", peer.hex(), _kind(msg))
-        return False
-    except zmq.ZMQError as exc:
-        if exc.errno != zmq.EHOSTUNREACH:
-            raise
+    elif isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
         log.info("peer %s is gone: dropped %s", peer.hex(), _kind(msg))
-        return False
-    return True
+    else:
+        raise exc
+    return False
 
 
 async def send(sock: zmq.asyncio.Socket, msg: protocol.Message) -> None:

@@ -43,13 +43,17 @@ def _target_cmd(endpoint: str, target_dir: Path, prompts: Path, out: Path, *extr
 
 
 def _run_targets(cmds: list[list[str]], tmp_path: Path) -> list[list[dict]]:
-    procs = [
-        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, cwd=REPO)
-        for c in cmds
-    ]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0, out.decode()
+    # Logs go to files, not pipes: a pipe nobody reads yet fills up and blocks the target's
+    # logging, hence its event loop, long enough for the hub to expire its lease.
+    logs = [tmp_path / f"target{i}.log" for i in range(len(cmds))]
+    procs = []
+    for cmd, log in zip(cmds, logs, strict=True):
+        with log.open("w") as f:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV,
+                                          cwd=REPO))  # fmt: skip
+    for proc, log in zip(procs, logs, strict=True):
+        proc.wait(timeout=180)
+        assert proc.returncode == 0, log.read_text()[-4000:]
     return [read_jsonl(Path(c[c.index("--out") + 1])) for c in cmds]
 
 
