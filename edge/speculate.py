@@ -71,6 +71,11 @@ async def generate_speculative(
             if session is not None and session.generation != client.generation:
                 session = None  # the hub restarted: that session no longer exists
             if session is None and client.up and not closed_for_good:
+                if client.wants_features and not seq.collect_features:
+                    log.info("the hub drafts from features this sequence did not keep: "
+                             "finishing it alone")  # fmt: skip
+                    closed_for_good = True
+                    continue
                 session = await _open(client, seq, hub_params, gamma, fallback)
             if session is None:
                 await standalone_step(seq, pool)

@@ -147,8 +147,8 @@ def new_sequence(
 ) -> TargetSequence:  # fmt: skip
     """A fresh sequence for ``request``; seeds differ per request but not per run.
 
-    With a hub, features are always collected: whichever hub serves the sequence later (an
-    EAGLE hub needs them from the first position on) can then be given them.
+    ``collect_features`` keeps the target's features for an EAGLE hub (from the first position
+    on, so the sequence can be re-opened on a hub at any point).
     """
     params = request.sampling or SamplingParams(
         config.temperature, config.top_k, config.top_p, config.seed + index
@@ -179,7 +179,10 @@ async def run_with_hub(
 
     async def one(index: int, request: Request) -> Result:
         async with limit:
-            seq = new_sequence(target, config, request, index, collect_features=True)
+            # Features cost a little per forward: collected when the hub drafts from them, or
+            # while no hub has answered yet (an EAGLE hub may be the one that appears).
+            features = client.wants_features or not client.up
+            seq = new_sequence(target, config, request, index, collect_features=features)
             await generate_speculative(client, seq, config.gamma, pool, config.fallback)
             _log_sequence(request, seq)
             return to_result(target, request, seq)

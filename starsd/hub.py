@@ -263,7 +263,7 @@ class Hub:
 
     def _send(self, sock: transport.Router, routing_id: bytes, msg: protocol.Message) -> bool:
         if isinstance(msg, Error):
-            self.stats.errors_sent += 1
+            self.stats.errors_sent += msg.code != ErrorCode.SHUTTING_DOWN  # notices aren't errors
             log.info("-> %s ERROR %s: %s", routing_id.hex()[:10], msg.code, msg.message)
         if isinstance(msg, (Opened, Proposal, Pong, Error, Stats)):
             msg = dataclasses.replace(msg, epoch=self.epoch)
