@@ -157,9 +157,11 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], before: Stats, aft
         "mean_accepted": sum(r.accepted for r in records) / max(rounds, 1),
         "bytes_per_round": sum(r.bytes for r in records) / max(rounds, 1),
         "rounds": rounds,
+        "tokens_in_window": tokens,
         "round_ms": 1e3 * sum(r.round_s for r in records) / max(rounds, 1),
         "verify_ms": 1e3 * sum(r.verify_s for r in records) / max(rounds, 1),
         "latency_ms": latency_summary(latencies),
+        "token_latency_ms": [round(1e3 * x, 4) for x in latencies],  # for pooling across runs
     }
 
 

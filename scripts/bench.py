@@ -293,14 +293,51 @@ def hub_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, mo
 def emulated_run(cfg: BenchConfig, procs: Processes, work: Path, endpoint: str, n: int,
                  verify_ms: float, duration: float) -> dict:  # fmt: skip
     """``python -m edge.emulated`` with ``n`` targets; its JSON report."""
-    out = work / f"emulated-{n}-{verify_ms}.json"
-    args = ["-m", "edge.emulated", "--hub", endpoint, "--model", cfg.target, "--targets", str(n),
-            "--alpha", str(cfg.alpha), "--verify-ms", str(verify_ms), "--gamma", str(cfg.gamma),
-            "--duration", str(duration), "--warmup", "1", "--out", str(out)]  # fmt: skip
-    proc = procs.start(args, out.with_suffix(".log"))
-    if proc.wait(timeout=duration + 120) != 0:
-        raise RuntimeError(out.with_suffix(".log").read_text()[-3000:])
-    return dict(json.loads(out.read_text()))
+    return _emulators(cfg, procs, work, [endpoint], n, verify_ms, duration, warmup=1.0)[0]
+
+
+def _emulators(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[str], n: int,
+               verify_ms: float, duration: float, warmup: float) -> list[dict]:  # fmt: skip
+    """One emulator process per endpoint, all at once, ``n`` targets each; their reports."""
+    running = []
+    for i, endpoint in enumerate(endpoints):
+        out = work / f"emulated-{n}-{verify_ms}-{len(endpoints)}-{i}.json"
+        args = ["-m", "edge.emulated", "--hub", endpoint, "--model", cfg.target, "--targets",
+                str(n), "--alpha", str(cfg.alpha), "--verify-ms", str(verify_ms), "--gamma",
+                str(cfg.gamma), "--duration", str(duration), "--warmup", str(warmup), "--seed",
+                str(i), "--out", str(out)]  # fmt: skip
+        running.append((procs.start(args, out.with_suffix(".log")), out))
+    for proc, out in running:
+        if proc.wait(timeout=duration + 120) != 0:
+            raise RuntimeError(out.with_suffix(".log").read_text()[-3000:])
+    return [dict(json.loads(out.read_text())) for _, out in running]
+
+
+def emulated_one_to_one(cfg: BenchConfig, procs: Processes, work: Path, n: int) -> dict:
+    """The bursty baseline on the same machine: ``n`` hubs, one emulated target each, at once.
+
+    Same draft hardware as one hub serving ``n`` targets, but every hub drafts, then waits for
+    its own target's verdict (draft-then-verify), and the ``n`` hubs compete for the cores.
+    """
+    print(f"[scale] distributed 1:1: {n} hubs x 1 emulated target ...", flush=True)
+    hubs = [start_hub(procs, cfg.draft, work / f"hub-1to1-{i}.log", "--gamma", str(cfg.gamma))
+            for i in range(n)]  # fmt: skip
+    reports = _emulators(cfg, procs, work, [ep for _, ep in hubs], 1, cfg.verify_ms,
+                         cfg.duration, warmup=2.0)  # fmt: skip
+    for proc, _ in hubs:
+        stop(proc)
+    latencies = [x / 1e3 for r in reports for x in r["token_latency_ms"]]
+    rounds = sum(r["rounds"] for r in reports)
+    return run_record(
+        "distributed-1to1", n,
+        system_tokens_per_s=sum(r["system_tokens_per_s"] for r in reports),
+        per_target_tokens_per_s=sum(r["system_tokens_per_s"] for r in reports) / n,
+        hub_busy_fraction=sum(r["hub_busy_fraction"] for r in reports) / n,
+        acceptance_rate=sum(r["acceptance_rate"] * r["rounds"] for r in reports) / rounds,
+        mean_accepted=sum(r["mean_accepted"] * r["rounds"] for r in reports) / rounds,
+        latency_ms=latency_summary(latencies),
+        bytes_per_round=sum(r["bytes_per_round"] * r["rounds"] for r in reports) / rounds,
+    )  # fmt: skip
 
 
 def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
@@ -328,8 +365,10 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
                        draft_service_ms=1e3 * r["draft_service_s"], verify_ms=r["verify_ms"],
                        predicted_system_tokens_per_s=emulated_prediction(inputs, r))
             for r in reports]  # fmt: skip
-    return {"runs": runs, "model_inputs": asdict(inputs), **saturation(runs, inputs),
-            "latency_std_ms": latency_steadiness(runs, saturation(runs, inputs)["n_full_measured"]),
+    summary = saturation(runs, inputs)
+    one_to_one = emulated_one_to_one(cfg, procs, work, summary["n_full_measured"])
+    return {"runs": [*runs, one_to_one], "model_inputs": asdict(inputs), **summary,
+            "latency_std_ms": latency_steadiness(runs, one_to_one, summary["n_full_measured"]),
             "hub_overhead": overhead}  # fmt: skip
 
 
@@ -345,14 +384,17 @@ def emulated_prediction(inputs: analytic.ModelInputs, report: dict) -> float:
     return analytic.predict(run_inputs, report["n_targets"]).system_tokens_per_s
 
 
-def latency_steadiness(runs: list[dict], n_full: int) -> dict:
-    """Per-token latency std at the measured N_full against N = 1 (a 1:1 hub/target pair)."""
-    one = next(r for r in runs if r["n_targets"] == 1)
+def latency_steadiness(runs: list[dict], one_to_one: dict, n_full: int) -> dict:
+    """Per-token latency std: one hub at the measured N_full against N_full 1:1 pairs on the
+    same machine, and against a single 1:1 pair (the N = 1 run)."""
+    single = next(r for r in runs if r["n_targets"] == 1)
     full = min(runs, key=lambda r: abs(r["n_targets"] - n_full))
-    return {"one_to_one": one["latency_ms"]["std"], "at_n_full": full["latency_ms"]["std"],
-            "n_full_run": full["n_targets"],
-            "cv_one_to_one": one["latency_ms"]["std"] / one["latency_ms"]["mean"],
-            "cv_at_n_full": full["latency_ms"]["std"] / full["latency_ms"]["mean"]}  # fmt: skip
+    return {"at_n_full": full["latency_ms"]["std"], "n_full_run": full["n_targets"],
+            "one_to_one_same_machine": one_to_one["latency_ms"]["std"],
+            "single_pair": single["latency_ms"]["std"],
+            "cv_at_n_full": full["latency_ms"]["std"] / full["latency_ms"]["mean"],
+            "cv_one_to_one_same_machine":
+                one_to_one["latency_ms"]["std"] / one_to_one["latency_ms"]["mean"]}  # fmt: skip
 
 
 _EMULATED_KEYS = ("system_tokens_per_s", "per_target_tokens_per_s", "hub_busy_fraction",
@@ -429,7 +471,8 @@ def plot(result: dict, path: Path) -> None:
 
     runs = result["runs"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    if all(r["mode"] == "emulated" for r in runs):
+    if result["suite"] == "scale":
+        runs = [r for r in runs if r["mode"] == "emulated"]
         ns = [r["n_targets"] for r in runs]
         ax.plot(ns, [r["system_tokens_per_s"] for r in runs], "o-", label="system (measured)")
         ax.plot(ns, [r["predicted_system_tokens_per_s"] for r in runs], "--",

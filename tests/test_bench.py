@@ -47,6 +47,9 @@ async def test_emulated_run_fills_the_json_contract(
     assert record["mode"] == "emulated" and record["n_targets"] == 3
     summary = bench.saturation([record], inputs)
     assert summary["n_full_measured"] == 3 and summary["n_full_model"] >= 1
-    steadiness = bench.latency_steadiness([{**record, "n_targets": 1}], summary["n_full_model"])
-    assert steadiness["one_to_one"] == steadiness["at_n_full"] == record["latency_ms"]["std"]
+    single = {**record, "n_targets": 1}
+    steadiness = bench.latency_steadiness([single], record, summary["n_full_model"])
+    assert steadiness["single_pair"] == steadiness["at_n_full"] == record["latency_ms"]["std"]
+    assert steadiness["one_to_one_same_machine"] == record["latency_ms"]["std"]
+    assert len(report["token_latency_ms"]) == report["tokens_in_window"]
 
