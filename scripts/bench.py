@@ -320,11 +320,13 @@ def emulated_one_to_one(cfg: BenchConfig, procs: Processes, work: Path, n: int) 
     its own target's verdict (draft-then-verify), and the ``n`` hubs compete for the cores.
     """
     print(f"[scale] distributed 1:1: {n} hubs x 1 emulated target ...", flush=True)
-    hubs = [start_hub(procs, cfg.draft, work / f"hub-1to1-{i}.log", "--gamma", str(cfg.gamma))
-            for i in range(n)]  # fmt: skip
-    reports = _emulators(cfg, procs, work, [ep for _, ep in hubs], 1, cfg.verify_ms,
-                         cfg.duration, warmup=2.0)  # fmt: skip
-    for proc, _ in hubs:
+    logs = [work / f"hub-1to1-{i}.log" for i in range(n)]
+    hubs = [procs.start(["-m", "starsd.hub", "--model", cfg.draft, "--bind", "tcp://127.0.0.1:*",
+                         "--gamma", str(cfg.gamma)], log) for log in logs]  # all load at once
+    endpoints = [wait_for_line(log, r"hub listening on (tcp://\S+)", proc)
+                 for log, proc in zip(logs, hubs, strict=True)]  # fmt: skip
+    reports = _emulators(cfg, procs, work, endpoints, 1, cfg.verify_ms, cfg.duration, warmup=2.0)
+    for proc in hubs:
         stop(proc)
     latencies = [x / 1e3 for r in reports for x in r["token_latency_ms"]]
     rounds = sum(r["rounds"] for r in reports)
