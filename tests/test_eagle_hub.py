@@ -15,7 +15,7 @@ from test_eagle import eagle_state, write_head
 
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
-from starsd import models, protocol, sampling
+from starsd import hub_main, models, protocol, sampling
 from starsd.drafter import DraftJob
 from starsd.protocol import Draft, Error, ErrorCode, Hello, Open, Opened, SamplingParams, Welcome
 
@@ -30,7 +30,7 @@ def head_dir(llama_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
 def eagle_hub(llama_pair: tuple[Path, Path], head_dir: Path) -> hub_module.Hub:
     config = hub_module.HubConfig(model=str(head_dir), draft_kind="eagle",
                                   target=str(llama_pair[0]))  # fmt: skip
-    return hub_module.build_hub(config)
+    return hub_main.build_hub(config)
 
 
 def _hello(target: models.LoadedModel, width: int) -> list:

@@ -14,7 +14,7 @@ from conftest import PROMPT, RawTarget, RunningHub
 
 from edge.client import HubClient, HubUnavailable, TargetInfo
 from starsd import hub as hub_module
-from starsd import models, protocol, security, transport
+from starsd import hub_main, models, protocol, security, transport
 from starsd.protocol import Draft, Open, Opened, Ping, Proposal, SamplingParams
 
 
@@ -34,7 +34,7 @@ async def curve_hub(keys: Path, llama_pair: tuple[Path, Path]) -> AsyncIterator[
     config = hub_module.HubConfig(model=str(llama_pair[1]), bind="tcp://127.0.0.1:*",
                                   curve_secret=str(keys / "keys" / "hub.key_secret"),
                                   allow_dir=str(keys / "allow"), stats_interval=3600)  # fmt: skip
-    hub = hub_module.build_hub(config)
+    hub = hub_main.build_hub(config)
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))
     while not hub.endpoint:

@@ -19,7 +19,7 @@ from edge.client import HubClient, TargetInfo
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
-from starsd import models, protocol, transport
+from starsd import hub_main, models, protocol, transport
 from starsd.protocol import (
     Close,
     Draft,
@@ -119,7 +119,7 @@ async def test_per_target_session_quota(
     llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
 ) -> None:
     config = hub_module.HubConfig(model=str(llama_pair[1]), max_sessions_per_target=2)
-    hub = hub_module.build_hub(config)
+    hub = hub_main.build_hub(config)
     hello = Hello("t", llama_target.vocab_size, llama_target.tokenizer_fingerprint)
     hub.handle(b"A", protocol.encode(hello))
     hub.handle(b"B", protocol.encode(hello))
@@ -196,7 +196,7 @@ def _assert_sane(hub: hub_module.Hub, replies: list[protocol.Message]) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_hub(llama_pair: tuple[Path, Path]) -> hub_module.Hub:
-    return hub_module.build_hub(hub_module.HubConfig(model=str(llama_pair[1])))
+    return hub_main.build_hub(hub_module.HubConfig(model=str(llama_pair[1])))
 
 
 def test_fuzz_mutated_messages(fuzz_hub: hub_module.Hub, llama_target: models.LoadedModel) -> None:
