@@ -179,6 +179,16 @@ def optimiser(
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def optimise_step(loss: torch.Tensor, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                  schedule: torch.optim.lr_scheduler.LRScheduler) -> None:  # fmt: skip
+    """One AdamW step on ``loss`` with gradient clipping at 1.0 and a schedule step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    schedule.step()
+
+
 def train_target(
     model: LlamaForCausalLM, data: Iterator[torch.Tensor], config: TrainConfig
 ) -> list[float]:
@@ -190,11 +200,7 @@ def train_target(
     for _ in bar:
         batch = next(data)
         loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
+        optimise_step(loss, model, opt, schedule)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
@@ -292,11 +298,7 @@ def distil_draft(
             teacher = F.log_softmax(target(input_ids=batch).logits.flatten(0, 1), dim=-1)
         student = F.log_softmax(draft(input_ids=batch).logits.flatten(0, 1), dim=-1)
         loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        schedule.step()
+        optimise_step(loss, draft, opt, schedule)
         losses.append(loss.item())
         bar.set_postfix(kl=f"{loss.item():.3f}")
     draft.eval()

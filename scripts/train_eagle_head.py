@@ -41,7 +41,7 @@ from eval_models import (
 )
 from shakespeare_corpus import DEFAULT_CACHE_DIR, load_corpus
 from tqdm import tqdm
-from train_default_pair import TrainConfig, continue_batch, optimiser
+from train_default_pair import TrainConfig, continue_batch, optimise_step, optimiser
 
 from starsd import models
 from starsd.eagle import (
@@ -240,11 +240,7 @@ def train_head(
             tokens[:, 1:], noisy(feats[:, :-1], config, generator), embed, config.depth
         )
         loss, parts = head_loss(outs, feats, lm_head, config)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        schedule.step()
+        optimise_step(loss, head, opt, schedule)
         history.append({"loss": loss.item(), **parts})
         bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{parts['acc0']:.3f}")
     head.eval()
