@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from harness import PROMPTS as HARNESS_PROMPTS
-from harness import REPO, Processes, start_hub, stop, wait_for_line
+from harness import REPO, Processes, start_hub, start_hubs, stop, wait_for_line
 
 from edge.client import HubClient, TargetInfo
 from edge.verifier import TargetSequence
@@ -265,8 +265,8 @@ def hub_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, mo
     n_hubs = 1 if mode == "one-for-many" else n
     model, extra = (cfg.eagle, ["--draft-kind", "eagle", "--target", cfg.target]
                     ) if kind == "eagle" else (cfg.draft, [])  # fmt: skip
-    hubs = [start_hub(procs, model, work / f"hub-{mode}-{kind}-{n}-{i}.log", "--gamma",
-                      str(cfg.gamma), *extra) for i in range(n_hubs)]  # fmt: skip
+    hubs = start_hubs(procs, model, [work / f"hub-{mode}-{kind}-{n}-{i}.log"
+                                     for i in range(n_hubs)], "--gamma", str(cfg.gamma), *extra)
     endpoints = [ep for _, ep in hubs]
     before = [transport.run_loop(hub_stats(ep, info)) for ep in endpoints]
     rows = run_targets(cfg, procs, work, (endpoints * n)[:n], f"{mode}-{kind}-{n}")
@@ -320,13 +320,11 @@ def emulated_one_to_one(cfg: BenchConfig, procs: Processes, work: Path, n: int) 
     its own target's verdict (draft-then-verify), and the ``n`` hubs compete for the cores.
     """
     print(f"[scale] distributed 1:1: {n} hubs x 1 emulated target ...", flush=True)
-    logs = [work / f"hub-1to1-{i}.log" for i in range(n)]
-    hubs = [procs.start(["-m", "starsd.hub", "--model", cfg.draft, "--bind", "tcp://127.0.0.1:*",
-                         "--gamma", str(cfg.gamma)], log) for log in logs]  # all load at once
-    endpoints = [wait_for_line(log, r"hub listening on (tcp://\S+)", proc)
-                 for log, proc in zip(logs, hubs, strict=True)]  # fmt: skip
-    reports = _emulators(cfg, procs, work, endpoints, 1, cfg.verify_ms, cfg.duration, warmup=2.0)
-    for proc in hubs:
+    hubs = start_hubs(procs, cfg.draft, [work / f"hub-1to1-{i}.log" for i in range(n)],
+                      "--gamma", str(cfg.gamma))  # fmt: skip
+    reports = _emulators(cfg, procs, work, [ep for _, ep in hubs], 1, cfg.verify_ms,
+                         cfg.duration, warmup=2.0)  # fmt: skip
+    for proc, _ in hubs:
         stop(proc)
     latencies = [x / 1e3 for r in reports for x in r["token_latency_ms"]]
     rounds = sum(r["rounds"] for r in reports)

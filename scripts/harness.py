@@ -56,9 +56,17 @@ def start_hub(procs: Processes, draft: str, log: Path, *extra: str,
               bind: str = "tcp://127.0.0.1:*", prefix: list[str] | None = None
               ) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
     """Start ``python -m starsd.hub`` and wait for its endpoint (read from its log)."""
-    proc = procs.start(["-m", "starsd.hub", "--model", draft, "--bind", bind, *extra], log,
-                       prefix)  # fmt: skip
-    return proc, wait_for_line(log, r"hub listening on (tcp://\S+)", proc)
+    return start_hubs(procs, draft, [log], *extra, bind=bind, prefix=prefix)[0]
+
+
+def start_hubs(procs: Processes, draft: str, logs: list[Path], *extra: str,
+               bind: str = "tcp://127.0.0.1:*", prefix: list[str] | None = None
+               ) -> list[tuple[subprocess.Popen[bytes], str]]:  # fmt: skip
+    """One hub per log, all loading at once; each with the endpoint it bound."""
+    args = ["-m", "starsd.hub", "--model", draft, "--bind", bind, *extra]
+    started = [procs.start(args, log, prefix) for log in logs]
+    return [(proc, wait_for_line(log, r"hub listening on (tcp://\S+)", proc))
+            for proc, log in zip(started, logs, strict=True)]  # fmt: skip
 
 
 def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen[bytes],
