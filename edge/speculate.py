@@ -15,6 +15,7 @@ sampled output keeps the target's distribution, whatever the hub does.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -132,8 +133,8 @@ async def _round(
     assert isinstance(msg, Proposal)
     if msg.seq != session.expected:
         return session, False  # a duplicate or a stale proposal: never applied twice
-    await _answer(client, seq, session, msg, pool)
-    return session, False
+    keep = await _answer(client, seq, session, msg, pool)
+    return (session if keep else None), False
 
 
 async def _next(session: HubSession, deadline_s: float) -> protocol.Message | None:
@@ -165,25 +166,29 @@ async def _session_error(
 async def _answer(
     client: HubClient, seq: TargetSequence, session: HubSession, proposal: Proposal,
     pool: ThreadPoolExecutor,
-) -> None:  # fmt: skip
-    """Verify the proposal (or, if we decoded alone meanwhile, just catch the hub up)."""
+) -> bool:  # fmt: skip
+    """Verify the proposal (or, if we decoded alone meanwhile, just catch the hub up).
+
+    Returns False when the session should be re-opened instead (too far behind for one DRAFT).
+    """
     accepted, appended = 0, list[int]()
     if session.synced == seq.committed:
         drafts, q = usable_draft(seq, proposal)
         loop = asyncio.get_running_loop()
         accepted, appended = await loop.run_in_executor(pool, seq.verify, drafts, q)
-    else:
-        appended = [*seq.prompt, *seq.generated][session.synced :]
+    else:  # the tokens decoded alone since the hub last heard from us
+        appended = seq.generated[session.synced - len(seq.prompt) :]
     synced, session.synced = session.synced, seq.committed
     session.expected += 1
     session.asked_at = time.monotonic()
     if seq.done:
-        return
+        return True
     if len(appended) > protocol.MAX_APPENDED:
-        session.asked_at = float("-inf")  # too far behind: the next round re-opens instead
-        return
+        await client.close_session(session.tag)
+        return False
     features = seq.features(synced - 1, seq.committed - 1) if client.wants_features else None
     await client.draft(session.tag, session.expected, accepted, appended, features)
+    return True
 
 
 def usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], torch.Tensor | None]:
@@ -207,7 +212,5 @@ def draft_seed(seed: int | None) -> int | None:
     """The hub's seed for a sequence: derived, so q's draws never share a stream with p's."""
     if seed is None:
         return None
-    import hashlib
-
     digest = hashlib.blake2b(f"starsd-q:{seed}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1

@@ -78,8 +78,8 @@ class TargetSequence:
         self.collect_features = collect_features
         self.feature_rows: list[torch.Tensor] = []  # each [H] float16
         if len(prompt) > 1:
-            self._forward(prompt[:-1])  # prefill all but the last token
-            self.stats.target_forwards -= 1
+            _, features = self._forward(prompt[:-1])  # prefill all but the last token
+            self._keep_features(features, len(prompt) - 1)
         self.stats.last_commit = time.perf_counter()  # latency counts decoding, not the prefill
 
     @property
@@ -93,8 +93,10 @@ class TargetSequence:
 
     def step(self) -> int:
         """Standalone decoding: one target forward, one token (the baseline)."""
-        logits = self._forward([self.last])[-1]  # [V]
-        token = sampling.next_token(logits, self.params, self.generator)
+        self.stats.target_forwards += 1
+        logits, features = self._forward([self.last])  # [1, V], [1, H]
+        self._keep_features(features, 1)
+        token = sampling.next_token(logits[-1], self.params, self.generator)
         self._commit([token])
         return token
 
@@ -108,10 +110,11 @@ class TargetSequence:
         """
         gamma = len(draft_tokens)
         cached = self.committed - 1
-        logits = self._forward([self.last, *draft_tokens], keep=None)  # [gamma + 1, V]
+        self.stats.target_forwards += 1
+        logits, features = self._forward([self.last, *draft_tokens])  # [gamma + 1, V], [.., H]
         accepted, token = self._judge(draft_tokens, q_probs, logits)
         models.crop_cache(self.cache, cached + 1 + accepted)  # keep last + accepted drafts
-        self._keep_features(accepted + 1)
+        self._keep_features(features, accepted + 1)
         self.stats.rounds += 1
         self.stats.proposed += gamma
         self.stats.accepted += accepted
@@ -143,21 +146,17 @@ class TargetSequence:
             return np.zeros((0, models.hidden_size(self.target)), dtype=np.float16)
         return torch.stack(rows).numpy()
 
-    def _forward(self, token_ids: list[int], keep: int | None = -1) -> torch.Tensor:
-        """Logits [n, V]; with collect_features, keeps the first ``keep`` rows' features
-        (-1: all; None: hold them until :meth:`_keep_features` knows how many stay)."""
-        self.stats.target_forwards += 1
+    def _forward(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [n, V] and, with collect_features, features [n, H] float16 (else None)."""
         if not self.collect_features:
-            return models.forward(self.target, token_ids, self.cache)
+            return models.forward(self.target, token_ids, self.cache), None
         logits, features = models.forward_with_features(self.target, token_ids, self.cache)
-        self._pending_features = features.to(torch.float16)  # [n, H]
-        if keep is not None:
-            self._keep_features(len(token_ids) if keep == -1 else keep)
-        return logits
+        return logits, features.to(torch.float16)
 
-    def _keep_features(self, n: int) -> None:
-        if self.collect_features:
-            self.feature_rows.extend(self._pending_features[:n].unbind(0))
+    def _keep_features(self, features: torch.Tensor | None, n: int) -> None:
+        """Keep the first ``n`` rows: the positions that stay committed."""
+        if features is not None:
+            self.feature_rows.extend(features[:n].unbind(0))
 
     def _commit(self, tokens: list[int]) -> None:
         # Stop exactly where the target alone would: at the first EOS (kept) or the length limit.

@@ -114,7 +114,7 @@ def bench_centralized(target: models.LoadedModel, drafter: Drafter, cfg: BenchCo
             draft_s += t1 - t0
             rounds, accepted = rounds + 1, accepted + n
             job = DraftJob(b"", job.seq + 1, state, n, tuple(appended),
-                           features=_features(seq, synced, eagle))  # fmt: skip
+                           features=_features(seq, synced - 1, eagle))  # fmt: skip
         tokens += len(seq.generated)
         lat += seq.stats.token_latency_s
     rate = tokens / (time.perf_counter() - started)
@@ -127,11 +127,9 @@ def bench_centralized(target: models.LoadedModel, drafter: Drafter, cfg: BenchCo
                     "mean_accepted": accepted / rounds}  # fmt: skip
 
 
-def _features(seq: TargetSequence, synced: int, eagle: bool) -> Any:
-    """The features a job carries: positions since ``synced`` (0: the prompt's), EAGLE only."""
-    if not eagle:
-        return None
-    return seq.features(max(synced - 1, 0), seq.committed - 1)
+def _features(seq: TargetSequence, start: int, eagle: bool) -> Any:
+    """The features a job carries (EAGLE only): positions ``start`` .. all but the last."""
+    return seq.features(start, seq.committed - 1) if eagle else None
 
 
 def eagle_drafter(cfg: BenchConfig) -> Drafter:

@@ -109,23 +109,24 @@ def crop_cache(cache: Any, length: int) -> None:
         cache.crop(-extra)  # transformers 5.x: a negative count removes that many positions
 
 
-@torch.inference_mode()
 def forward(loaded: LoadedModel, token_ids: list[int], cache: Any) -> torch.Tensor:
     """Feed ``token_ids`` after the cached prefix; logits [len(token_ids), V] float32 on CPU."""
-    ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, n]
-    out = loaded.model(input_ids=ids, cache=cache, use_cache=True)
-    return out.logits[0].float().cpu()
+    return _run(loaded, token_ids, cache, hidden=False).logits[0].float().cpu()
 
 
-@torch.inference_mode()
 def forward_with_features(
     loaded: LoadedModel, token_ids: list[int], cache: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`forward`, plus the features EAGLE drafts from: the last hidden state after
     the final norm, so ``lm_head(features) == logits``. Returns ([n, V], [n, H]) float32 CPU."""
-    ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, n]
-    out = loaded.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
+    out = _run(loaded, token_ids, cache, hidden=True)
     return out.logits[0].float().cpu(), out.hidden_states[-1][0].float().cpu()
+
+
+@torch.inference_mode()
+def _run(loaded: LoadedModel, token_ids: list[int], cache: Any, hidden: bool) -> Any:
+    ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, n]
+    return loaded.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
 
 
 def hidden_size(loaded: LoadedModel) -> int:

@@ -22,31 +22,28 @@ class FairQueue(Generic[T]):
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._queues: OrderedDict[Hashable, deque[T]] = OrderedDict()
-        self._size = 0
+        self._queues: OrderedDict[Hashable, deque[T]] = OrderedDict()  # non-empty deques only
         self._closed = False
 
     def put(self, owner: Hashable, job: T) -> None:
         """Queue ``job`` behind ``owner``'s earlier jobs."""
         with self._cond:
             self._queues.setdefault(owner, deque()).append(job)
-            self._size += 1
             self._cond.notify()
 
     def take(self, limit: int) -> list[T] | None:
         """Up to ``limit`` jobs, one per owner in turn; None once closed and empty."""
         with self._cond:
-            while not self._size and not self._closed:
+            while not self._queues and not self._closed:
                 self._cond.wait()
             batch: list[T] = []
-            while self._size and len(batch) < limit:
+            while self._queues and len(batch) < limit:
                 batch.append(self._next())
             return batch if batch or not self._closed else None
 
     def _next(self) -> T:
         owner, jobs = next(iter(self._queues.items()))
         job = jobs.popleft()
-        self._size -= 1
         del self._queues[owner]
         if jobs:
             self._queues[owner] = jobs  # to the back of the round
@@ -57,6 +54,3 @@ class FairQueue(Generic[T]):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-    def __len__(self) -> int:
-        return self._size
