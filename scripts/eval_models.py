@@ -79,8 +79,13 @@ def load_model(directory: Path) -> PreTrainedModel:
 
 def heldout_stream(config: EvalConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Held-out works encoded without specials and joined with EOS."""
+    return encode_works(tokenizer, [text for _, text in load_corpus(config.cache_dir).heldout])
+
+
+def encode_works(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[int]:
+    """Works encoded without specials, each followed by EOS, as one id stream."""
     ids: list[int] = []
-    for _, text in load_corpus(config.cache_dir).heldout:
+    for text in texts:
         ids.extend(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
         ids.append(tokenizer.eos_token_id)
     return ids

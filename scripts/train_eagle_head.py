@@ -33,8 +33,10 @@ import torch
 import torch.nn.functional as F
 from config_args import parse_config
 from eval_models import (
+    acceptance_summary,
     decode_steps,
     distinct_4gram_share,
+    encode_works,
     evenly_spaced,
     speculative_greedy,
     target_greedy,
@@ -104,15 +106,6 @@ def seed_everything(config: EagleTrainConfig) -> None:
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     torch.use_deterministic_algorithms(True)
-
-
-def encode_works(tokenizer: Any, texts: list[str]) -> torch.Tensor:
-    """Encode works without specials and join them with EOS into one 1-D id tensor."""
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
-        ids.append(tokenizer.eos_token_id)
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def windows(stream: torch.Tensor, count: int, length: int, bos: int, seed: int) -> torch.Tensor:
@@ -308,17 +301,9 @@ def simulate_eagle(eagle: LoadedEagle, ref: Reference, config: EagleTrainConfig)
 
 
 def acceptance(accepted: list[int], gamma: int) -> dict[str, float]:
-    """Mean accepted per round, tokens per target pass, first-draft-step agreement."""
-    rounds = max(1, len(accepted))
-    mean = sum(accepted) / rounds
-    return {
-        "gamma": gamma,
-        "rounds": len(accepted),
-        "mean_accepted_per_round": round(mean, 3),
-        "tokens_per_target_pass": round(mean + 1, 3),
-        "draft_token_accept_rate": round(mean / gamma, 3),
-        "first_step_agreement": round(sum(n > 0 for n in accepted) / rounds, 3),
-    }
+    """eval_models' acceptance summary plus the first draft step's agreement."""
+    first = sum(n > 0 for n in accepted) / max(1, len(accepted))
+    return {**acceptance_summary(accepted, gamma), "first_step_agreement": round(first, 3)}
 
 
 def compare_acceptance(
@@ -404,9 +389,7 @@ def cost(
 
 def heldout_ids(config: EagleTrainConfig, tokenizer: Any) -> list[int]:
     """Held-out works encoded without specials, joined with EOS (as eval_models)."""
-    return encode_works(
-        tokenizer, [text for _, text in load_corpus(config.cache_dir).heldout]
-    ).tolist()
+    return encode_works(tokenizer, [text for _, text in load_corpus(config.cache_dir).heldout])
 
 
 def evaluate(
@@ -552,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     draft_lm = models.load_causal_lm(config.draft_dir, dtype="float32")
     target, tokenizer = target_lm.model, target_lm.tokenizer
     corpus = load_corpus(config.cache_dir)
-    stream = encode_works(tokenizer, [text for _, text in corpus.train])
+    stream = torch.tensor(encode_works(tokenizer, [text for _, text in corpus.train]))
     pool = build_pool(target, stream, config, tokenizer.bos_token_id)
     features = target_features(target, pool)
     prepared = time.perf_counter()
