@@ -1,4 +1,4 @@
-"""A bare ZeroMQ echo service: the hub's socket setup and drain loop, no protocol and no threads.
+"""A bare ZeroMQ echo service: the hub's socket and reader loop, no protocol and no threads.
 
     python scripts/zmq_echo.py --bind tcp://127.0.0.1:*
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 from dataclasses import dataclass
-
-import zmq
 
 from starsd import transport
 
@@ -29,10 +27,14 @@ async def serve(cfg: EchoConfig) -> None:
     ctx = transport.new_context()
     router = transport.router(ctx, cfg.bind)
     print(f"echo listening on {router.endpoint}", flush=True)
+
+    def echo(batch: list[transport.Received]) -> None:
+        for received in batch:
+            router.send_frames(received.peer, received.frames)
+
+    router.start(echo)
     try:
-        while True:
-            for received in await transport.drain_router(router):
-                router.raw.send_multipart([received.peer, *received.frames], zmq.NOBLOCK)
+        await asyncio.Event().wait()  # until cancelled
     except asyncio.CancelledError:
         pass
     finally:

@@ -6,7 +6,8 @@
 The event loop owns the socket and all protocol state (peers, session ownership, sequence
 numbers, leases); it never runs the model. Draft requests go into the global queue Q_in (fair
 across targets, see :mod:`starsd.scheduler`); the drafting thread takes every pending request,
-calls ``Drafter.propose`` and hands results to Q_out, from which the loop sends them. The drafter
+calls ``Drafter.propose`` and hands results back to the loop (Q_out is the loop's own ready
+queue, via ``call_soon_threadsafe``), which sends them. The drafter
 therefore works whenever any target has work pending and never waits for one target's verdict.
 
 Faults: any message renews its target's lease; a target silent for 3 heartbeat intervals loses
@@ -123,7 +124,7 @@ class Hub:
         self.sessions: dict[bytes, Session] = {}
         self.stats = HubStats()
         self.q_in: FairQueue[DraftJob] = FairQueue()
-        self.q_out: asyncio.Queue[tuple[list[DraftJob], list[Proposal | Error], float]]
+        self.router: transport.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
         self.draining = False
         self.allow: security.AllowList | None = None
@@ -133,21 +134,19 @@ class Hub:
 
     async def serve(self, ctx: zmq.asyncio.Context) -> None:
         """Bind, run until ``stop()``, drain, then shut down cleanly and log the summary."""
-        self.q_out = asyncio.Queue()
         auth = self._start_security(ctx)
-        sock = transport.router(ctx, self.config.bind, self.config.curve,
-                                int(1000 * self.config.heartbeat_s))  # fmt: skip
+        self.router = sock = transport.router(ctx, self.config.bind, self.config.curve,
+                                              int(1000 * self.config.heartbeat_s))  # fmt: skip
         self.endpoint = sock.endpoint
         worker = threading.Thread(target=self._drafting_loop, args=(asyncio.get_running_loop(),),
                                   name="drafter")  # fmt: skip
         worker.start()
         self._log_start()
-        tasks = [asyncio.create_task(c) for c in (
-            self._receive_loop(sock), self._send_loop(sock), self._stats_loop(),
-            self._lease_loop())]  # fmt: skip
+        sock.start(self._on_messages)
+        tasks = [asyncio.create_task(c) for c in (self._stats_loop(), self._lease_loop())]
         try:
             await self.stopping.wait()
-            await self._drain(sock)
+            await self._drain()
         finally:
             for task in tasks:
                 task.cancel()
@@ -178,7 +177,7 @@ class Hub:
         log.info("hub listening on %s (%s; draft %s, epoch %s)", self.endpoint, mode,
                  self.welcome.model, self.epoch.hex())  # fmt: skip
 
-    async def _drain(self, sock: transport.Router) -> None:
+    async def _drain(self) -> None:
         """Admit nothing new, deliver what is in flight, then tell every target we are going."""
         self.draining = True
         in_flight = sum(s.in_flight for s in self.sessions.values())
@@ -188,7 +187,7 @@ class Hub:
         while any(s.in_flight for s in self.sessions.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for peer in self.peers.values():
-            self._send(sock, peer.routing_id, Error(ErrorCode.SHUTTING_DOWN, "hub is stopping"))
+            self._send(peer.routing_id, Error(ErrorCode.SHUTTING_DOWN, "hub is stopping"))
         await asyncio.sleep(0.05)  # let the I/O thread flush the notices (LINGER is 0)
 
     # ------------------------------------------------------------------ drafting thread
@@ -203,25 +202,22 @@ class Hub:
             self.stats.busy_cpu_s += time.thread_time() - cpu_started
             self.stats.batches += 1
             self.stats.jobs += len(batch)
-            loop.call_soon_threadsafe(self.q_out.put_nowait, (batch, results, started))
+            loop.call_soon_threadsafe(self._deliver_batch, batch, results, started)
 
     # ------------------------------------------------------------------ event loop
 
-    async def _receive_loop(self, sock: transport.Router) -> None:
-        while True:
-            received_batch = await transport.drain_router(sock)
-            if self.allow is not None:
-                self.allow.maybe_reload()
-            for received in received_batch:
-                self.stats.messages += 1
-                for reply in self.handle(received.peer, received.frames, received.user_id):
-                    self._send(sock, received.peer, reply)
+    def _on_messages(self, received_batch: list[transport.Received]) -> None:
+        if self.allow is not None:
+            self.allow.maybe_reload()
+        for received in received_batch:
+            self.stats.messages += 1
+            for reply in self.handle(received.peer, received.frames, received.user_id):
+                self._send(received.peer, reply)
 
-    async def _send_loop(self, sock: transport.Router) -> None:
-        while True:
-            batch, results, started = await self.q_out.get()
-            for job, result in zip(batch, results, strict=True):
-                self._deliver(sock, job, result, started)
+    def _deliver_batch(self, batch: list[DraftJob], results: list[Proposal | Error],
+                       started: float) -> None:  # fmt: skip
+        for job, result in zip(batch, results, strict=True):
+            self._deliver(job, result, started)
 
     async def _stats_loop(self) -> None:
         reported = 0
@@ -254,17 +250,16 @@ class Hub:
             self._close(self.sessions[tag])
         return len(tags)
 
-    def _send(self, sock: transport.Router, routing_id: bytes, msg: protocol.Message) -> bool:
+    def _send(self, routing_id: bytes, msg: protocol.Message) -> bool:
         if isinstance(msg, Error):
             self.stats.errors_sent += msg.code != ErrorCode.SHUTTING_DOWN  # notices aren't errors
             log.info("-> %s ERROR %s: %s", routing_id.hex()[:10], msg.code, msg.message)
         if isinstance(msg, (Opened, Proposal, Pong, Error, Stats)):
             msg = dataclasses.replace(msg, epoch=self.epoch)
-        return transport.send_to(sock, routing_id, msg)
+        assert self.router is not None, "sending needs serve()"
+        return self.router.send(routing_id, msg)
 
-    def _deliver(
-        self, sock: transport.Router, job: DraftJob, result: Proposal | Error, started: float
-    ) -> None:
+    def _deliver(self, job: DraftJob, result: Proposal | Error, started: float) -> None:
         session = self.sessions.get(job.tag)
         if session is None:  # closed while drafting: nothing to send, state is already dropped
             return
@@ -276,7 +271,7 @@ class Hub:
         if isinstance(result, Proposal):
             session.next_seq = job.seq + 1
             session.last_gamma = len(result.tokens)
-        if not self._send(sock, session.routing_id, result):
+        if not self._send(session.routing_id, result):
             # The target will not see this proposal: free the state now; the target re-opens
             # from its own tokens when its DRAFT gets UNKNOWN_SESSION or its deadline passes.
             self._close(session)
