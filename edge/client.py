@@ -110,17 +110,22 @@ class HubClient:
         return await self._handshake(timeout)
 
     async def _handshake(self, timeout: float) -> Welcome:
-        self._hello = asyncio.get_running_loop().create_future()
+        # One pending HELLO future for every waiter: the liveness loop re-sends HELLO while
+        # connect() still waits, and whichever WELCOME comes back must reach both.
+        if self._hello is None or self._hello.done():
+            self._hello = asyncio.get_running_loop().create_future()
+        hello = self._hello
         await transport.send(self.sock, self._hello_msg())
         try:
-            reply = await asyncio.wait_for(asyncio.shield(self._hello), timeout)
+            reply = await asyncio.wait_for(asyncio.shield(hello), timeout)
         except asyncio.TimeoutError:
             raise HubUnavailable(f"no WELCOME from the hub within {timeout:.1f} s") from None
         if isinstance(reply, Error):
             raise HubError(reply.code, reply.message)
         assert isinstance(reply, Welcome)
-        self._check_welcome(reply)
-        self._welcomed(reply)
+        if reply is not self.welcome:  # the other waiter on this HELLO may have taken it already
+            self._check_welcome(reply)
+            self._welcomed(reply)
         return reply
 
     def _welcomed(self, welcome: Welcome) -> None:

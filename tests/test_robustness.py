@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 from conftest import PROMPT, RunningHub
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ from starsd.protocol import (
     Proposal,
     SamplingParams,
     StatsRequest,
+    Welcome,
 )
 from starsd.scheduler import FairQueue
 
@@ -255,3 +257,36 @@ async def test_socket_burst_of_garbage_then_service(
     await asyncio.sleep(0.2)
     reply = await bystander.ask(Draft(tag, 1, 0, PROMPT[:1]))
     assert isinstance(reply, Proposal) and reply.seq == 1
+
+
+async def test_connect_survives_a_welcome_slower_than_the_rejoin_timer() -> None:
+    """The liveness loop re-sends HELLO while connect() waits; either HELLO's WELCOME ends both.
+
+    A loaded hub once took longer than the first heartbeat to answer 128 HELLOs at once: the
+    re-sent HELLO replaced the future connect() waited on, which then timed out although the
+    hub had answered.
+    """
+    ctx = transport.new_context()
+    hub = ctx.socket(zmq.ROUTER)
+    hub.setsockopt(zmq.LINGER, 0)
+    port = hub.bind_to_random_port("tcp://127.0.0.1")
+    welcome = Welcome("draft", 64, "tok", b"\x07" * 8, 4, 8)
+
+    async def slow_hub() -> int:
+        hellos = 0
+        while hellos < 2:  # answer only after the client's rejoin timer has re-sent HELLO
+            peer, *frames = await hub.recv_multipart()
+            hellos += isinstance(protocol.decode(frames), Hello)
+        for _ in range(hellos):
+            await hub.send_multipart([peer, *protocol.encode(welcome)])
+        return hellos
+
+    client = HubClient(ctx, f"tcp://127.0.0.1:{port}", TargetInfo("t", 64, "tok"))
+    try:
+        answered, got = await asyncio.gather(slow_hub(), client.connect(timeout=5.0))
+        assert answered == 2 and got == welcome
+        assert client.up and client.generation == 1  # one WELCOME taken once
+    finally:
+        await client.aclose()
+        hub.close()
+        ctx.term()
