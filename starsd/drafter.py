@@ -53,6 +53,10 @@ class Drafter:
 
     kind = "llm"
     feature_width = 0  # > 0: drafts from target features, which OPEN and DRAFT must carry
+    # Jobs one propose() call drafts together. Chain drafting loops over its jobs, so the hub
+    # hands it one at a time and each proposal leaves as soon as it is drafted; a batch would
+    # hold its first proposal back until its last was drafted.
+    batch_size = 1
 
     def __init__(self, draft: models.LoadedModel) -> None:
         self.draft = draft

@@ -193,7 +193,8 @@ class Hub:
     # ------------------------------------------------------------------ drafting thread
 
     def _drafting_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        while (batch := self.q_in.take(self.config.max_batch)) is not None:
+        limit = min(self.config.max_batch, self.drafter.batch_size)
+        while (batch := self.q_in.take(limit)) is not None:
             started, cpu_started = time.perf_counter(), time.thread_time()
             self.stats.batch_started = started
             results = self.drafter.propose(batch)

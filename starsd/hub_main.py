@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--max-sessions", type=int, default=HubConfig.max_sessions)
     p.add_argument("--max-sessions-per-target", type=int,
                    default=HubConfig.max_sessions_per_target)  # fmt: skip
-    p.add_argument("--max-batch", type=int, default=HubConfig.max_batch)
+    p.add_argument("--max-batch", type=int, default=HubConfig.max_batch,
+                   help="cap on the jobs a batching drafter takes at once (chain drafters take 1)")
     p.add_argument("--threads", type=int, default=HubConfig.threads, help="torch threads")
     p.add_argument("--stats-interval", type=float, default=HubConfig.stats_interval)
     p.add_argument("--draft-kind", default=HubConfig.draft_kind,
