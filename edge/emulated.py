@@ -9,24 +9,33 @@ accepted tokens from an i.i.d. acceptance process with rate ``--alpha`` (seeded)
 can stand in for far more targets than the machine could run as real models. The hub drafts for
 real. The report carries system and per-target throughput, per-token latency, bytes per round and
 the hub's busy fraction over the measured window (from STATS replies).
+
+After the warm-up, calibration slices alternate with the measured window's slices (so this
+machine's drifting speed hits both alike): the hub's draft service time S(d) and the emulated
+verify time measured in the calibration slices, at the same N but outside the window, are the
+inputs from which the benchmark predicts the window's throughput (see scripts/bench.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import itertools
 import json
+import math
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 from edge.client import HubClient, TargetInfo
-from starsd import models, protocol, transport
+from starsd import protocol, transport
 from starsd.protocol import Proposal, SamplingParams, Stats
 from starsd.stats import latency_summary
 
 PROMPT_TOKENS = 16
+WARMUP_LIMIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -39,16 +48,55 @@ class EmulationConfig:
     verify_ms: float = 5.0
     gamma: int = 4
     duration: float = 5.0
-    warmup: float = 1.0
+    warmup: float = 1.0  # at least; and until every target has had its first proposal
+    calibration: float = 1.0
+    slices: int = 4  # window slices, alternating with slices + 1 calibration slices
     max_new_tokens: int = 128  # then the sequence closes and a new one opens
     seed: int = 0
-    model: str = str(models.DEFAULT_TARGET_DIR)  # whose tokenizer the emulated targets claim
+    model: str = ""  # whose tokenizer the targets claim (default: the default target)
+    vocab_size: int = 0  # with ``tokenizer``: claim these instead of reading ``model``
+    tokenizer: str = ""
     out: str | None = None
 
 
 @dataclass
+class Phases:
+    """The measurement schedule (perf_counter times); empty until the warm-up is over.
+
+    ``bounds`` cut the run after the warm-up into slices that alternate calibration, window,
+    calibration, ..., calibration, so that this machine's drifting speed hits the inputs and
+    the measurement alike. ``first_proposals`` counts the targets that have had their first
+    proposal, so the warm-up can wait out the burst of OPENs.
+    """
+
+    bounds: list[float] = field(default_factory=list)
+    first_proposals: int = 0
+
+    @property
+    def finish(self) -> float:
+        """When the targets stop (the end of the last calibration slice)."""
+        return self.bounds[-1] if self.bounds else math.inf
+
+    def kind(self, t: float) -> str | None:
+        """``"window"``, ``"calibration"`` or None (warm-up, or after the end) at time ``t``."""
+        i = bisect.bisect_right(self.bounds, t) - 1
+        if i < 0 or i >= len(self.bounds) - 1:
+            return None
+        return "window" if i % 2 else "calibration"
+
+
+def schedule(start: float, cfg: EmulationConfig) -> list[float]:
+    """Bounds of ``cfg.slices`` window slices between ``cfg.slices + 1`` calibration slices."""
+    bounds, t = [start], start
+    for i in range(2 * cfg.slices + 1):
+        t += cfg.duration / cfg.slices if i % 2 else cfg.calibration / (cfg.slices + 1)
+        bounds.append(t)
+    return bounds
+
+
+@dataclass
 class TargetRecord:
-    """What one emulated target measured inside the window."""
+    """What one emulated target measured inside the window (and its verify time before it)."""
 
     tokens: int = 0
     rounds: int = 0
@@ -57,6 +105,9 @@ class TargetRecord:
     round_s: float = 0.0
     verify_s: float = 0.0
     token_latency_s: list[float] = field(default_factory=list)
+    sequences: int = 0
+    calibration_rounds: int = 0
+    calibration_verify_s: float = 0.0
 
 
 def accepted_count(rng: random.Random, alpha: float, gamma: int) -> int:
@@ -68,13 +119,12 @@ def accepted_count(rng: random.Random, alpha: float, gamma: int) -> int:
 
 
 async def run_target(
-    client: HubClient, cfg: EmulationConfig, index: int, window: tuple[float, float],
-    record: TargetRecord,
+    client: HubClient, cfg: EmulationConfig, index: int, window: Phases, record: TargetRecord,
 ) -> None:  # fmt: skip
     """One emulated target: sequences back to back until the window closes."""
     rng = random.Random(cfg.seed * 100_003 + index)
     vocab = client.info.vocab_size
-    while time.perf_counter() < window[1]:
+    while time.perf_counter() < window.finish:
         prompt = [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
         tag, inbox = await client.open(prompt, SamplingParams(), cfg.gamma)
         await _one_sequence(client, cfg, rng, tag, inbox, window, record)
@@ -83,20 +133,27 @@ async def run_target(
 
 async def _one_sequence(
     client: HubClient, cfg: EmulationConfig, rng: random.Random, tag: bytes,
-    inbox: asyncio.Queue[protocol.Message], window: tuple[float, float], record: TargetRecord,
+    inbox: asyncio.Queue[protocol.Message], window: Phases, record: TargetRecord,
 ) -> None:  # fmt: skip
     seq, generated, asked = 0, 0, time.perf_counter()
-    while generated < cfg.max_new_tokens and time.perf_counter() < window[1]:
+    while generated < cfg.max_new_tokens and time.perf_counter() < window.finish:
         msg = await inbox.get()
         if not isinstance(msg, Proposal):
             raise RuntimeError(f"hub: {msg}")
+        if seq == 0 and record.sequences == 0:
+            window.first_proposals += 1
+        record.sequences += seq == 0
         verify_started = time.perf_counter()
         await asyncio.sleep(cfg.verify_ms / 1e3)
         accepted = accepted_count(rng, cfg.alpha, len(msg.tokens))
         now = time.perf_counter()
-        if window[0] <= now <= window[1]:  # a round still in flight at the end does not count
+        kind = window.kind(now)  # by when the round ends; rounds after the end do not count
+        if kind == "window":
             _record_round(record, msg, accepted, now - asked)
             record.verify_s += now - verify_started  # the timer overshoots the nominal time
+        elif kind == "calibration":
+            record.calibration_rounds += 1
+            record.calibration_verify_s += now - verify_started
         generated += accepted + 1
         seq += 1
         asked = time.perf_counter()
@@ -115,44 +172,89 @@ def _record_round(record: TargetRecord, msg: Proposal, accepted: int, round_s: f
 
 async def emulate(cfg: EmulationConfig) -> dict:
     """Run the emulation and return its report (also written to ``cfg.out``)."""
-    target = models.load_causal_lm(cfg.model)  # only for its vocabulary and tokenizer
     ctx = transport.new_context()
-    info = TargetInfo("emulated", target.vocab_size, target.tokenizer_fingerprint)
-    clients = [HubClient(ctx, cfg.hub, info) for _ in range(cfg.targets)]
+    clients = [HubClient(ctx, cfg.hub, target_info(cfg)) for _ in range(cfg.targets)]
     try:
         await asyncio.gather(*(c.connect() for c in clients))
-        start = time.perf_counter() + cfg.warmup
-        window = (start, start + cfg.duration)
-        records = [TargetRecord() for _ in clients]
+        window, records = Phases(), [TargetRecord() for _ in clients]
         tasks = [asyncio.create_task(run_target(c, cfg, i, window, records[i]))
                  for i, c in enumerate(clients)]  # fmt: skip
-        await asyncio.sleep(max(0.0, start - time.perf_counter()))
-        before = await clients[0].stats()
+        await _warm_up(cfg, window, tasks)
+        snapshots = []
+        for bound in window.bounds:
+            await asyncio.sleep(max(0.0, bound - time.perf_counter()))
+            snapshots.append(await clients[0].stats())
         await asyncio.gather(*tasks)
-        after = await clients[0].stats()
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
         ctx.term()
-    return report(cfg, records, before, after)
+    spans = list(itertools.pairwise(snapshots))
+    return {**report(cfg, records, spans[1::2]),
+            "calibration": calibration_report(records, spans[::2])}
 
 
-def report(cfg: EmulationConfig, records: list[TargetRecord], before: Stats, after: Stats) -> dict:
-    """Aggregate the per-target records and the hub's counters over the window."""
+def target_info(cfg: EmulationConfig) -> TargetInfo:
+    """What the emulated targets claim in HELLO: given, or read from the model directory."""
+    if cfg.vocab_size and cfg.tokenizer:
+        return TargetInfo("emulated", cfg.vocab_size, cfg.tokenizer)
+    from starsd import models  # torch and transformers: seconds, only when asked to read
+
+    info = models.load_tokenizer_info(cfg.model or models.DEFAULT_TARGET_DIR)
+    return TargetInfo("emulated", info.vocab_size, info.tokenizer_fingerprint)
+
+
+async def _warm_up(cfg: EmulationConfig, window: Phases, tasks: list[asyncio.Task]) -> None:
+    """Wait ``cfg.warmup`` and until every target has had a proposal, then set the phases."""
+    started = time.perf_counter()
+    while window.first_proposals < cfg.targets or time.perf_counter() - started < cfg.warmup:
+        failed = next((t for t in tasks if t.done()), None)
+        if failed is not None:
+            failed.result()  # its error; a target never ends before the window does
+        if time.perf_counter() - started > cfg.warmup + WARMUP_LIMIT_S:
+            raise RuntimeError(f"{window.first_proposals} of {cfg.targets} targets had a "
+                               f"proposal after {WARMUP_LIMIT_S:.0f} s")  # fmt: skip
+        await asyncio.sleep(0.01)
+    window.bounds = schedule(time.perf_counter(), cfg)
+
+
+Span = tuple[Stats, Stats]
+
+
+def hub_counters(spans: list[Span]) -> dict[str, float]:
+    """The hub's counters summed over ``spans`` (STATS snapshots at each one's start and end)."""
+    return {name: sum(getattr(end, name) - getattr(begin, name) for begin, end in spans)
+            for name in ("wall_s", "busy_s", "jobs", "queue_wait_s")}  # fmt: skip
+
+
+def calibration_report(records: list[TargetRecord], spans: list[Span]) -> dict:
+    """S(d) and the verify time over the calibration slices."""
+    hub = hub_counters(spans)
+    rounds = sum(r.calibration_rounds for r in records)
+    verify_s = sum(r.calibration_verify_s for r in records)
+    return {
+        "jobs": hub["jobs"],
+        "draft_service_s": hub["busy_s"] / hub["jobs"] if hub["jobs"] else None,
+        "verify_ms": 1e3 * verify_s / rounds if rounds else None,
+    }
+
+
+def report(cfg: EmulationConfig, records: list[TargetRecord], spans: list[Span]) -> dict:
+    """Aggregate the per-target records and the hub's counters over the window slices."""
     latencies = sorted(x for r in records for x in r.token_latency_s)
     tokens = sum(r.tokens for r in records)
     rounds = sum(r.rounds for r in records)
-    wall = after.wall_s - before.wall_s
-    jobs = max(after.jobs - before.jobs, 1)
+    hub = hub_counters(spans)
+    wall, jobs = hub["wall_s"], max(hub["jobs"], 1)
     return {
         "config": asdict(cfg),
         "n_targets": cfg.targets,
         "system_tokens_per_s": tokens / cfg.duration,
         "per_target_tokens_per_s": tokens / cfg.duration / cfg.targets,
-        "hub_busy_fraction": (after.busy_s - before.busy_s) / wall if wall > 0 else 0.0,
-        "draft_service_s": (after.busy_s - before.busy_s) / jobs,
-        "hub_busy_s": after.busy_s - before.busy_s,
-        "hub_jobs": after.jobs - before.jobs,
-        "queue_wait_ms": 1e3 * (after.queue_wait_s - before.queue_wait_s) / jobs,
+        "hub_busy_fraction": hub["busy_s"] / wall if wall > 0 else 0.0,
+        "draft_service_s": hub["busy_s"] / jobs,
+        "hub_busy_s": hub["busy_s"],
+        "hub_jobs": hub["jobs"],
+        "queue_wait_ms": 1e3 * hub["queue_wait_s"] / jobs,
         "acceptance_rate": sum(r.accepted for r in records) / max(rounds * cfg.gamma, 1),
         "mean_accepted": sum(r.accepted for r in records) / max(rounds, 1),
         "bytes_per_round": sum(r.bytes for r in records) / max(rounds, 1),
@@ -175,9 +277,16 @@ def parse_args(argv: list[str] | None = None) -> EmulationConfig:
     p.add_argument("--gamma", type=int, default=EmulationConfig.gamma)
     p.add_argument("--duration", type=float, default=EmulationConfig.duration)
     p.add_argument("--warmup", type=float, default=EmulationConfig.warmup)
+    p.add_argument("--calibration", type=float, default=EmulationConfig.calibration,
+                   help="seconds (in all) in which S(d) and verify time are measured")
+    p.add_argument("--slices", type=int, default=EmulationConfig.slices,
+                   help="window slices, alternating with slices + 1 calibration slices")
     p.add_argument("--max-new-tokens", type=int, default=EmulationConfig.max_new_tokens)
     p.add_argument("--seed", type=int, default=EmulationConfig.seed)
     p.add_argument("--model", default=EmulationConfig.model, help="target dir (tokenizer only)")
+    p.add_argument("--vocab-size", type=int, default=EmulationConfig.vocab_size)
+    p.add_argument("--tokenizer", default=EmulationConfig.tokenizer,
+                   help="tokenizer fingerprint; with --vocab-size, --model is not read")
     p.add_argument("--out")
     return EmulationConfig(**vars(p.parse_args(argv)))
 

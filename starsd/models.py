@@ -136,7 +136,7 @@ def hidden_size(loaded: LoadedModel) -> int:
 
 @dataclass(frozen=True)
 class TokenizerInfo:
-    """What a hub that never loads a causal LM (EAGLE) needs from the target's directory."""
+    """What a process that never loads the target (EAGLE hub, emulated targets) needs of it."""
 
     name: str
     vocab_size: int

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from conftest import RunningHub
 
-from edge.emulated import EmulationConfig, accepted_count, emulate
+from edge.emulated import EmulationConfig, Phases, accepted_count, emulate, schedule
 from starsd import analytic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -28,20 +30,40 @@ def test_accepted_count_follows_alpha() -> None:
     assert max(draws) == 4 and min(draws) == 0
 
 
+def test_calibration_slices_alternate_with_the_window() -> None:
+    cfg = EmulationConfig(hub="", duration=2.0, calibration=1.0, slices=4)
+    phases = Phases(bounds=schedule(10.0, cfg))
+    assert len(phases.bounds) == 2 * 4 + 2 and phases.finish == pytest.approx(13.0)
+    middles = [(a + b) / 2 for a, b in zip(phases.bounds, phases.bounds[1:], strict=False)]
+    kinds = [phases.kind(t) for t in middles]
+    assert kinds == ["calibration", "window"] * 4 + ["calibration"]
+    window = sum(b - a for a, b, k in zip(phases.bounds, phases.bounds[1:], kinds, strict=False)
+                 if k == "window")  # fmt: skip
+    assert window == pytest.approx(2.0)
+    assert phases.kind(9.9) is None and phases.kind(13.1) is None  # warm-up, after the end
+    assert Phases().kind(10.0) is None  # nothing counts before the schedule is set
+
+
 async def test_emulated_run_fills_the_json_contract(
     running_hub: RunningHub, llama_pair: tuple[Path, Path]
 ) -> None:
     cfg = EmulationConfig(hub=running_hub.endpoint, targets=3, alpha=0.6, verify_ms=2.0,
-                          duration=0.6, warmup=0.2, model=str(llama_pair[0]))  # fmt: skip
+                          duration=0.6, warmup=0.2, calibration=0.3,
+                          model=str(llama_pair[0]))  # fmt: skip
     report = await emulate(cfg)
     assert report["rounds"] > 0 and report["system_tokens_per_s"] > 0
     assert 0.0 < report["hub_busy_fraction"] <= 1.0
     assert set(report["latency_ms"]) == {"mean", "p50", "p99", "std"}
+    calibration = report["calibration"]  # the second half of the warm-up, before the window
+    assert calibration["jobs"] > 0 and calibration["draft_service_s"] > 0
+    assert calibration["verify_ms"] > 0
     inputs = analytic.ModelInputs(0.6, 4, report["draft_service_s"], 0.002, 0.0002, 0.002)
-    record = bench.run_record(
-        "emulated", 3, **{k: report[k] for k in bench._EMULATED_KEYS},
-        predicted_system_tokens_per_s=bench.emulated_prediction(inputs, report),
-    )  # fmt: skip
+    record = bench.emulated_record(inputs, report)
+    alpha = analytic.alpha_from_mean_accepted(report["mean_accepted"], 4)
+    calibrated = replace(inputs, alpha=alpha, draft_s=calibration["draft_service_s"],
+                         verify_s=calibration["verify_ms"] / 1e3)  # fmt: skip
+    assert record["predicted_system_tokens_per_s"] == pytest.approx(
+        analytic.predict(calibrated, 3).system_tokens_per_s)
     assert set(record) >= CONTRACT
     assert all(record[k] is not None for k in CONTRACT)
     assert record["mode"] == "emulated" and record["n_targets"] == 3
