@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -50,6 +51,7 @@ class BenchConfig:
     alpha: float = 0.7
     verify_ms: float = 8.0
     duration: float = 4.0
+    calibration: float = 2.0  # emulated runs: seconds of calibration slices around the window
     delay_ms: float = 1.0
     rate_mbit: float = 1000.0
     out_dir: str = "results"
@@ -288,40 +290,59 @@ def hub_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, mo
     return record
 
 
-def emulated_run(cfg: BenchConfig, procs: Processes, work: Path, endpoint: str, n: int,
-                 verify_ms: float, duration: float) -> dict:  # fmt: skip
+def emulated_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
+                 endpoint: str, n: int, cpus: set[int] | None) -> dict:  # fmt: skip
     """``python -m edge.emulated`` with ``n`` targets; its JSON report."""
-    return _emulators(cfg, procs, work, [endpoint], n, verify_ms, duration, warmup=1.0)[0]
+    return _emulators(cfg, procs, work, info, [endpoint], n, cpus, warmup=1.0)[0]
 
 
-def _emulators(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[str], n: int,
-               verify_ms: float, duration: float, warmup: float) -> list[dict]:  # fmt: skip
+def placement() -> tuple[set[int] | None, set[int] | None]:
+    """CPUs for (hubs, emulated targets) in the scale suite.
+
+    The first CPU plays the draft accelerator: the one hub, or the N 1:1 hubs time-sharing it;
+    the emulated targets stand for other machines and get the remaining CPUs. Without pinning
+    the 1:1 hubs would draft on every core at once, i.e. with more draft hardware than the hub
+    they are compared with.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        print("[scale] one CPU: hubs and emulated targets share it (no draft device of its own)")
+        return None, None
+    return {cpus[0]}, set(cpus[1:])
+
+
+def _emulators(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
+               endpoints: list[str], n: int, cpus: set[int] | None, warmup: float
+               ) -> list[dict]:  # fmt: skip
     """One emulator process per endpoint, all at once, ``n`` targets each; their reports."""
+    verify_ms, duration = cfg.verify_ms, cfg.duration
     running = []
     for i, endpoint in enumerate(endpoints):
         out = work / f"emulated-{n}-{verify_ms}-{len(endpoints)}-{i}.json"
-        args = ["-m", "edge.emulated", "--hub", endpoint, "--model", cfg.target, "--targets",
+        args = ["-m", "edge.emulated", "--hub", endpoint, "--vocab-size", str(info.vocab_size),
+                "--tokenizer", info.tokenizer, "--targets",
                 str(n), "--alpha", str(cfg.alpha), "--verify-ms", str(verify_ms), "--gamma",
-                str(cfg.gamma), "--duration", str(duration), "--warmup", str(warmup), "--seed",
-                str(i), "--out", str(out)]  # fmt: skip
-        running.append((procs.start(args, out.with_suffix(".log")), out))
+                str(cfg.gamma), "--duration", str(duration), "--calibration",
+                str(cfg.calibration), "--warmup", str(warmup), "--seed", str(i), "--out",
+                str(out)]  # fmt: skip
+        running.append((procs.start(args, out.with_suffix(".log"), cpus=cpus), out))
     for proc, out in running:
-        if proc.wait(timeout=duration + 120) != 0:
+        if proc.wait(timeout=duration + cfg.calibration + 120) != 0:
             raise RuntimeError(out.with_suffix(".log").read_text()[-3000:])
     return [dict(json.loads(out.read_text())) for _, out in running]
 
 
-def emulated_one_to_one(cfg: BenchConfig, procs: Processes, work: Path, n: int) -> dict:
-    """The bursty baseline on the same machine: ``n`` hubs, one emulated target each, at once.
+def emulated_one_to_one(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, n: int,
+                        cpus: tuple[set[int] | None, set[int] | None]) -> dict:  # fmt: skip
+    """The bursty baseline on the same draft hardware: ``n`` hubs, one emulated target each.
 
-    Same draft hardware as one hub serving ``n`` targets, but every hub drafts, then waits for
-    its own target's verdict (draft-then-verify), and the ``n`` hubs compete for the cores.
+    The hubs share the CPU the one hub had (see :func:`placement`), but every hub drafts, then
+    waits for its own target's verdict (draft-then-verify), and they time-share that CPU.
     """
     print(f"[scale] distributed 1:1: {n} hubs x 1 emulated target ...", flush=True)
     hubs = start_hubs(procs, cfg.draft, [work / f"hub-1to1-{i}.log" for i in range(n)],
-                      "--gamma", str(cfg.gamma))  # fmt: skip
-    reports = _emulators(cfg, procs, work, [ep for _, ep in hubs], 1, cfg.verify_ms,
-                         cfg.duration, warmup=2.0)  # fmt: skip
+                      "--gamma", str(cfg.gamma), cpus=cpus[0])  # fmt: skip
+    reports = _emulators(cfg, procs, work, info, [ep for _, ep in hubs], 1, cpus[1], warmup=2.0)
     for proc, _ in hubs:
         stop(proc)
     latencies = [x / 1e3 for r in reports for x in r["token_latency_ms"]]
@@ -341,44 +362,71 @@ def emulated_one_to_one(cfg: BenchConfig, procs: Processes, work: Path, n: int) 
 def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     """Emulated targets against the real hub: N swept, the model's prediction beside each.
 
-    The model's inputs come from the same run: the link time is the null-drafter round (bare
-    echo plus the hub's own path), S(d) is the hub's busy time per proposal over the whole sweep.
+    The model's inputs come from the same run but never from the window it predicts: the link
+    time is the null-drafter round (bare echo plus the hub's own path) measured with the sweep's
+    CPU placement; S(d) and the verify time come from each step's calibration slices (see
+    :func:`emulated_prediction`); the sweep-wide S(d) sets the model's N_full.
     """
     target = models.load_causal_lm(cfg.target)
     info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint,
                       models.hidden_size(target))  # fmt: skip
     overhead = hub_overhead(cfg, procs, work, info)
+    cpus = placement()
+    placed = hub_overhead(cfg, procs, work, info, cpus) if cpus[0] else overhead
     hub, endpoint = start_hub(procs, cfg.draft, work / "hub-scale.log", "--gamma",
-                              str(cfg.gamma), "--max-sessions", "4096")  # fmt: skip
+                              str(cfg.gamma), "--max-sessions", "4096", cpus=cpus[0])  # fmt: skip
     reports = []
     for n in cfg.scale_ns:
         print(f"[scale] {n} emulated targets ...", flush=True)
-        reports.append(emulated_run(cfg, procs, work, endpoint, n, cfg.verify_ms, cfg.duration))
+        reports.append(emulated_run(cfg, procs, work, info, endpoint, n, cpus[1]))
     stop(hub)
     draft_s = sum(r["hub_busy_s"] for r in reports) / sum(r["hub_jobs"] for r in reports)
     verify_s = sum(r["verify_ms"] for r in reports) / len(reports) / 1e3
     inputs = analytic.ModelInputs(cfg.alpha, cfg.gamma, draft_s, verify_s,
-                                  overhead["round_ms"] / 1e3, cfg.verify_ms / 1e3)  # fmt: skip
-    runs = [run_record("emulated", r["n_targets"], **{k: r[k] for k in _EMULATED_KEYS},
-                       draft_service_ms=1e3 * r["draft_service_s"], verify_ms=r["verify_ms"],
-                       predicted_system_tokens_per_s=emulated_prediction(inputs, r))
-            for r in reports]  # fmt: skip
+                                  placed["round_after_verify_ms"] / 1e3,
+                                  cfg.verify_ms / 1e3)  # fmt: skip
+    runs = [emulated_record(inputs, r) for r in reports]
     summary = saturation(runs, inputs)
-    one_to_one = emulated_one_to_one(cfg, procs, work, summary["n_full_measured"])
+    one_to_one = emulated_one_to_one(cfg, procs, work, info, summary["n_full_measured"], cpus)
     return {"runs": [*runs, one_to_one], "model_inputs": asdict(inputs), **summary,
             "latency_std_ms": latency_steadiness(runs, one_to_one, summary["n_full_measured"]),
-            "hub_overhead": overhead}  # fmt: skip
+            "hub_overhead": overhead, "link_round_ms": placed["round_after_verify_ms"],
+            "placement": {"hubs": sorted(cpus[0] or []), "targets": sorted(cpus[1] or [])}}
 
 
-def emulated_prediction(inputs: analytic.ModelInputs, report: dict) -> float:
-    """The model for one run: the sweep's S(d) and link, this run's acceptance and verify time.
+def emulated_record(inputs: analytic.ModelInputs, report: dict) -> dict:
+    """One sweep step's record: what the window measured, and the model's prediction of it."""
+    calibration = report["calibration"]
+    return run_record(
+        "emulated", report["n_targets"], **{k: report[k] for k in _EMULATED_KEYS},
+        draft_service_ms=1e3 * report["draft_service_s"], verify_ms=report["verify_ms"],
+        calibrated_draft_service_ms=_scaled(calibration["draft_service_s"], 1e3),
+        predicted_system_tokens_per_s=emulated_prediction(inputs, report, calibrated=True),
+        predicted_one_s_tokens_per_s=emulated_prediction(inputs, report, calibrated=False),
+    )  # fmt: skip
 
-    The acceptance draws and the event loop's timer are the emulated target's, not the hub's, so
-    the model takes what they actually were in the run (a short run's sample of alpha = 0.7 can
-    be 10% off in E[L]; a 8 ms sleep lasts 8.5-9 ms).
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def emulated_prediction(inputs: analytic.ModelInputs, report: dict, calibrated: bool) -> float:
+    """The model's throughput for one sweep step, from inputs measured before its window.
+
+    ``calibrated``: S(d) and the verify time from this step's calibration phase (the second half
+    of its warm-up: same N, same hub, before the window); else the sweep's one S(d) and the
+    window's verify time. S(d) is not one number on a shared CPU: the drafter runs colder with
+    idle gaps between jobs (small N) than back to back (large N), and this VM's speed drifts
+    within a sweep. The acceptance draws are the workload's: the model takes the window's
+    realised E[L] (a short run's sample of alpha = 0.7 can be 10% off).
     """
     alpha = analytic.alpha_from_mean_accepted(report["mean_accepted"], inputs.gamma)
     run_inputs = replace(inputs, alpha=alpha, verify_s=report["verify_ms"] / 1e3)
+    calibration = report["calibration"]
+    if calibrated and calibration["draft_service_s"] is not None:
+        run_inputs = replace(run_inputs, draft_s=calibration["draft_service_s"])
+    if calibrated and calibration["verify_ms"] is not None:
+        run_inputs = replace(run_inputs, verify_s=calibration["verify_ms"] / 1e3)
     return analytic.predict(run_inputs, report["n_targets"]).system_tokens_per_s
 
 
@@ -411,24 +459,41 @@ def saturation(runs: list[dict], inputs: analytic.ModelInputs) -> dict:
     measured = next((r["n_targets"] for r in runs if r["hub_busy_fraction"] >= 0.95), ns[-1])
     model = analytic.saturation_point(inputs)
     model_step = next((i for i, n in enumerate(ns) if n >= model), len(ns) - 1)
-    errors = [abs(r["system_tokens_per_s"] / r["predicted_system_tokens_per_s"] - 1) for r in runs]
     return {"n_full_measured": measured, "n_full_model": model,
             "n_full_within_one_step": abs(ns.index(measured) - model_step) <= 1,
-            "max_prediction_error": max(errors)}  # fmt: skip
+            "max_prediction_error": _max_error(runs, "predicted_system_tokens_per_s"),
+            "max_prediction_error_one_s": _max_error(runs, "predicted_one_s_tokens_per_s")}
 
 
-def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo) -> dict:
-    """Null-drafter hub round against a bare ZeroMQ echo process (see scripts/overhead.py)."""
+def _max_error(runs: list[dict], key: str) -> float:
+    return max(abs(r["system_tokens_per_s"] / r[key] - 1) for r in runs)
+
+
+def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
+                 cpus: tuple[set[int] | None, set[int] | None] = (None, None)) -> dict:  # fmt: skip
+    """Null-drafter hub round against a bare ZeroMQ echo process (see scripts/overhead.py).
+
+    With ``cpus`` (hub side, client side) the echo and the hub run where the scale suite's hubs
+    run and the client where its emulated targets run, so the round is that suite's link time.
+    """
     import overhead
 
-    print("[overhead] hub round (null drafter) against a bare ZeroMQ echo ...", flush=True)
-    echo = procs.start([str(REPO / "scripts" / "zmq_echo.py")], work / "echo.log")
+    where = "" if cpus[0] is None else f" (hub on CPU {sorted(cpus[0])}, client on the others)"
+    print(f"[overhead] hub round (null drafter) against a bare ZeroMQ echo{where} ...", flush=True)
+    echo = procs.start([str(REPO / "scripts" / "zmq_echo.py")], work / "echo.log", cpus=cpus[0])
     echo_ep = wait_for_line(work / "echo.log", r"echo listening on (tcp://\S+)", echo)
-    hub, hub_ep = start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null")
+    hub, hub_ep = start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null",
+                            cpus=cpus[0])  # fmt: skip
     hello = Hello(info.model, info.vocab_size, info.tokenizer)
+    own = os.sched_getaffinity(0)
     try:
-        return overhead.measure(echo_ep, hub_ep, hello, rounds=500 if cfg.quick else 2000)
+        if cpus[1] is not None:
+            os.sched_setaffinity(0, cpus[1])
+        result = overhead.measure(echo_ep, hub_ep, hello, rounds=500 if cfg.quick else 2000, reps=5)
+        result["round_after_verify_ms"] = overhead.link_round_ms(hub_ep, hello, cfg.verify_ms / 1e3)
+        return result
     finally:
+        os.sched_setaffinity(0, own)
         stop(hub)
         stop(echo)
 
@@ -507,7 +572,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--out-dir", default=BenchConfig.out_dir)
     a = vars(p.parse_args(argv))
     if a["quick"]:
-        a.update(max_new_tokens=32, ns=(1, 2), duration=2.0)
+        a.update(max_new_tokens=32, ns=(1, 2), duration=2.5, calibration=1.5)
     return BenchConfig(**a)
 
 

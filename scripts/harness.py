@@ -30,13 +30,16 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, args: list[str], log_path: Path, prefix: list[str] | None = None
-              ) -> subprocess.Popen[bytes]:  # fmt: skip
-        """``python ARGS`` (optionally behind ``prefix``, e.g. ``ip netns exec NS``)."""
+    def start(self, args: list[str], log_path: Path, prefix: list[str] | None = None,
+              cpus: set[int] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+        """``python ARGS`` (optionally behind ``prefix``, e.g. ``ip netns exec NS``, and
+        confined to ``cpus``)."""
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
         with log_path.open("wb") as log:
             proc = subprocess.Popen([*(prefix or []), sys.executable, *args], stdout=log,
                                     stderr=subprocess.STDOUT, env=env, cwd=REPO)  # fmt: skip
+        if cpus is not None:  # before the interpreter is up, so its threads inherit it
+            os.sched_setaffinity(proc.pid, cpus)
         self.procs.append(proc)
         return proc
 
@@ -53,18 +56,19 @@ class Processes:
 
 
 def start_hub(procs: Processes, draft: str, log: Path, *extra: str,
-              bind: str = "tcp://127.0.0.1:*", prefix: list[str] | None = None
-              ) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
+              bind: str = "tcp://127.0.0.1:*", prefix: list[str] | None = None,
+              cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
     """Start ``python -m starsd.hub`` and wait for its endpoint (read from its log)."""
-    return start_hubs(procs, draft, [log], *extra, bind=bind, prefix=prefix)[0]
+    return start_hubs(procs, draft, [log], *extra, bind=bind, prefix=prefix, cpus=cpus)[0]
 
 
 def start_hubs(procs: Processes, draft: str, logs: list[Path], *extra: str,
-               bind: str = "tcp://127.0.0.1:*", prefix: list[str] | None = None
+               bind: str = "tcp://127.0.0.1:*", prefix: list[str] | None = None,
+               cpus: set[int] | None = None
                ) -> list[tuple[subprocess.Popen[bytes], str]]:  # fmt: skip
     """One hub per log, all loading at once; each with the endpoint it bound."""
     args = ["-m", "starsd.hub", "--model", draft, "--bind", bind, *extra]
-    started = [procs.start(args, log, prefix) for log in logs]
+    started = [procs.start(args, log, prefix, cpus) for log in logs]
     return [(proc, wait_for_line(log, r"hub listening on (tcp://\S+)", proc))
             for proc, log in zip(started, logs, strict=True)]  # fmt: skip
 
