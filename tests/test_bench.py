@@ -13,7 +13,7 @@ from edge.emulated import EmulationConfig, Phases, accepted_count, emulate, sche
 from starsd import analytic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import bench
+import bench_scale
 
 CONTRACT = {"mode", "n_targets", "system_tokens_per_s", "per_target_tokens_per_s",
             "predicted_system_tokens_per_s", "hub_busy_fraction", "acceptance_rate",
@@ -58,7 +58,7 @@ async def test_emulated_run_fills_the_json_contract(
     assert calibration["jobs"] > 0 and calibration["draft_service_s"] > 0
     assert calibration["verify_ms"] > 0
     inputs = analytic.ModelInputs(0.6, 4, report["draft_service_s"], 0.002, 0.0002, 0.002)
-    record = bench.emulated_record(inputs, report)
+    record = bench_scale.emulated_record(inputs, report)
     alpha = analytic.alpha_from_mean_accepted(report["mean_accepted"], 4)
     calibrated = replace(inputs, alpha=alpha, draft_s=calibration["draft_service_s"],
                          verify_s=calibration["verify_ms"] / 1e3)  # fmt: skip
@@ -67,10 +67,10 @@ async def test_emulated_run_fills_the_json_contract(
     assert set(record) >= CONTRACT
     assert all(record[k] is not None for k in CONTRACT)
     assert record["mode"] == "emulated" and record["n_targets"] == 3
-    summary = bench.saturation([record], inputs)
+    summary = bench_scale.saturation([record], inputs)
     assert summary["n_full_measured"] == 3 and summary["n_full_model"] >= 1
     single = {**record, "n_targets": 1}
-    steadiness = bench.latency_steadiness([single], record, summary["n_full_model"])
+    steadiness = bench_scale.latency_steadiness([single], record, summary["n_full_model"])
     assert steadiness["single_pair"] == steadiness["at_n_full"] == record["latency_ms"]["std"]
     assert steadiness["one_to_one_same_machine"] == record["latency_ms"]["std"]
     assert len(report["token_latency_ms"]) == report["tokens_in_window"]
