@@ -1,0 +1,129 @@
+"""The hub's ROUTER (transport.Router) under the hub's own traffic pattern, on loopback.
+
+libzmq's socket FD is edge-triggered: any send or receive may consume the notification of a
+message that arrived meanwhile. A Router that missed one would leave a client waiting forever,
+so these tests bound every wait and fail instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import zmq
+
+from starsd import protocol, transport
+from starsd.protocol import Ping, Pong
+
+CLIENTS = 6
+ROUNDS = 300
+
+
+async def _client(ctx: zmq.asyncio.Context, endpoint: str, index: int,
+                  rounds: int = ROUNDS) -> int:  # fmt: skip
+    """Ping-pong ``rounds`` times; every reply must carry the nonce just sent."""
+    sock, _ = transport.dealer(ctx, endpoint)
+    try:
+        for i in range(rounds):
+            nonce = index * rounds + i
+            await sock.send_multipart(protocol.encode(Ping(nonce)))
+            reply = protocol.decode(await asyncio.wait_for(sock.recv_multipart(), 5.0))
+            assert isinstance(reply, Pong) and reply.nonce == nonce
+        return rounds
+    finally:
+        sock.close(linger=0)
+
+
+async def test_every_client_gets_its_replies_when_a_worker_thread_answers() -> None:
+    """Like the hub: requests are read on the loop, answered from a worker thread through
+    call_soon_threadsafe, while other clients' requests keep arriving (the lockstep test
+    below is the one that catches a lost wake-up; here later arrivals would mask it)."""
+    ctx = transport.new_context()
+    router = transport.router(ctx, "tcp://127.0.0.1:*")
+    loop = asyncio.get_running_loop()
+    work: list[tuple[bytes, int]] = []
+    ready = threading.Condition()
+    stopping = threading.Event()
+
+    def on_batch(batch: list[transport.Received]) -> None:
+        with ready:
+            for received in batch:
+                msg = protocol.decode(received.frames)
+                assert isinstance(msg, Ping)
+                work.append((received.peer, msg.nonce))
+            ready.notify()
+
+    def worker() -> None:
+        rng = np.random.default_rng(0)
+        while not stopping.is_set():
+            with ready:
+                ready.wait_for(lambda: bool(work) or stopping.is_set(), timeout=0.1)
+                jobs, work[:] = list(work), []
+            for peer, nonce in jobs:
+                if rng.random() < 0.3:  # sometimes reply late, so sends interleave with arrivals
+                    stopping.wait(rng.random() * 1e-3)
+                loop.call_soon_threadsafe(router.send, peer, Pong(nonce))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    router.start(on_batch)
+    try:
+        done = await asyncio.wait_for(
+            asyncio.gather(*(_client(ctx, router.endpoint, i) for i in range(CLIENTS))), 60.0
+        )
+        assert done == [ROUNDS] * CLIENTS
+    finally:
+        stopping.set()
+        thread.join()
+        router.close()
+        ctx.term()
+
+
+async def test_a_lockstep_client_is_read_while_the_hub_keeps_sending_to_others() -> None:
+    """The case that once left a target unread for a minute: its one request arrives while the
+    hub is busy sending to someone else, and nothing else arrives after it to re-signal."""
+    ctx = transport.new_context()
+    router = transport.router(ctx, "tcp://127.0.0.1:*")
+    loop = asyncio.get_running_loop()
+    sink, _ = transport.dealer(ctx, router.endpoint)
+    peers: dict[str, bytes] = {}
+    stopping = threading.Event()
+
+    def on_batch(batch: list[transport.Received]) -> None:
+        for received in batch:
+            msg = protocol.decode(received.frames)
+            assert isinstance(msg, Ping)
+            if msg.nonce < 0:
+                peers["sink"] = received.peer
+            else:
+                router.send(received.peer, Pong(msg.nonce))
+
+    def noise() -> None:  # a steady stream of sends to the sink, from another thread
+        while not stopping.wait(5e-5):
+            if "sink" in peers:
+                loop.call_soon_threadsafe(router.send, peers["sink"], Pong(-1))
+
+    router.start(on_batch)
+    await sink.send_multipart(protocol.encode(Ping(-1)))
+    thread = threading.Thread(target=noise)
+    thread.start()
+    try:
+        assert await asyncio.wait_for(_client(ctx, router.endpoint, 0, rounds=2000), 60.0) == 2000
+    finally:
+        stopping.set()
+        thread.join()
+        sink.close(linger=0)
+        router.close()
+        ctx.term()
+
+
+async def test_a_send_to_a_vanished_peer_is_reported_not_raised() -> None:
+    ctx = transport.new_context()
+    router = transport.router(ctx, "tcp://127.0.0.1:*")
+    router.start(lambda batch: None)
+    try:
+        assert router.send(b"\x00no-such-peer", Pong(1)) is False
+    finally:
+        router.close()
+        ctx.term()
