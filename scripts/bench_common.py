@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,30 +49,44 @@ def run_record(mode: str, n: int, **fields: Any) -> dict[str, Any]:
     return base
 
 
-def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
-                 cpus: tuple[set[int] | None, set[int] | None] = (None, None)) -> dict:  # fmt: skip
-    """Null-drafter hub round against a bare ZeroMQ echo process (see scripts/overhead.py).
-
-    With ``cpus`` (hub side, client side) the echo and the hub run where the scale suite's hubs
-    run and the client where its emulated targets run, so the round is that suite's link time.
-    """
+def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo) -> dict:
+    """Null-drafter hub round against a bare ZeroMQ echo process (see scripts/overhead.py)."""
     import overhead
 
-    where = "" if cpus[0] is None else f" (hub on CPU {sorted(cpus[0])}, client on the others)"
-    print(f"[overhead] hub round (null drafter) against a bare ZeroMQ echo{where} ...", flush=True)
-    echo = procs.start([str(REPO / "scripts" / "zmq_echo.py")], work / "echo.log", cpus=cpus[0])
+    print("[overhead] hub round (null drafter) against a bare ZeroMQ echo ...", flush=True)
+    echo = procs.start([str(REPO / "scripts" / "zmq_echo.py")], work / "echo.log")
     echo_ep = wait_for_line(work / "echo.log", r"echo listening on (tcp://\S+)", echo)
-    hub, hub_ep = start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null",
-                            cpus=cpus[0])  # fmt: skip
-    hello = Hello(info.model, info.vocab_size, info.tokenizer)
+    hub, hub_ep = _null_hub(cfg, procs, work, None)
+    try:
+        return overhead.measure(echo_ep, hub_ep, _hello(info), rounds=500 if cfg.quick else 2000,
+                                reps=5)  # fmt: skip
+    finally:
+        stop(hub)
+        stop(echo)
+
+
+def link_round_ms(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
+                  cpus: tuple[set[int] | None, set[int] | None]) -> float:  # fmt: skip
+    """The model's link time: a null-drafter round after the client idled the verify time, with
+    the hub on ``cpus[0]`` and the client on ``cpus[1]`` (None: anywhere)."""
+    import overhead
+
+    print("[overhead] null-drafter round after an idle verify time ...", flush=True)
+    hub, hub_ep = _null_hub(cfg, procs, work, cpus[0])
     own = os.sched_getaffinity(0)
     try:
         if cpus[1] is not None:
             os.sched_setaffinity(0, cpus[1])
-        result = overhead.measure(echo_ep, hub_ep, hello, rounds=500 if cfg.quick else 2000, reps=5)
-        result["round_after_verify_ms"] = overhead.link_round_ms(hub_ep, hello, cfg.verify_ms / 1e3)
-        return result
+        return overhead.link_round_ms(hub_ep, _hello(info), cfg.verify_ms / 1e3)
     finally:
         os.sched_setaffinity(0, own)
         stop(hub)
-        stop(echo)
+
+
+def _null_hub(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | None
+              ) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
+    return start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null", cpus=cpus)
+
+
+def _hello(info: TargetInfo) -> Hello:
+    return Hello(info.model, info.vocab_size, info.tokenizer)

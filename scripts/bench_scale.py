@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench_common import BenchConfig, hub_overhead, run_record
+from bench_common import BenchConfig, hub_overhead, link_round_ms, run_record
 from harness import Processes, start_hub, start_hubs, stop
 
 from edge.client import TargetInfo
@@ -95,12 +95,11 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     CPU placement; S(d) and the verify time come from each step's calibration slices (see
     :func:`emulated_prediction`); the sweep-wide S(d) sets the model's N_full.
     """
-    target = models.load_causal_lm(cfg.target)
-    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint,
-                      models.hidden_size(target))  # fmt: skip
+    target = models.load_tokenizer_info(cfg.target)  # the emulated targets claim its tokenizer
+    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
     overhead = hub_overhead(cfg, procs, work, info)
     cpus = placement()
-    placed = hub_overhead(cfg, procs, work, info, cpus) if cpus[0] else overhead
+    link_ms = link_round_ms(cfg, procs, work, info, cpus)
     hub, endpoint = start_hub(procs, cfg.draft, work / "hub-scale.log", "--gamma",
                               str(cfg.gamma), "--max-sessions", "4096", cpus=cpus[0])  # fmt: skip
     reports = []
@@ -110,15 +109,14 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     stop(hub)
     draft_s = sum(r["hub_busy_s"] for r in reports) / sum(r["hub_jobs"] for r in reports)
     verify_s = sum(r["verify_ms"] for r in reports) / len(reports) / 1e3
-    inputs = analytic.ModelInputs(cfg.alpha, cfg.gamma, draft_s, verify_s,
-                                  placed["round_after_verify_ms"] / 1e3,
+    inputs = analytic.ModelInputs(cfg.alpha, cfg.gamma, draft_s, verify_s, link_ms / 1e3,
                                   cfg.verify_ms / 1e3)  # fmt: skip
     runs = [emulated_record(inputs, r) for r in reports]
     summary = saturation(runs, inputs)
     one_to_one = emulated_one_to_one(cfg, procs, work, info, summary["n_full_measured"], cpus)
     return {"runs": [*runs, one_to_one], "model_inputs": asdict(inputs), **summary,
             "latency_std_ms": latency_steadiness(runs, one_to_one, summary["n_full_measured"]),
-            "hub_overhead": overhead, "link_round_ms": placed["round_after_verify_ms"],
+            "hub_overhead": overhead, "link_round_ms": link_ms,
             "placement": {"hubs": sorted(cpus[0] or []), "targets": sorted(cpus[1] or [])}}
 
 
@@ -128,22 +126,19 @@ def emulated_record(inputs: analytic.ModelInputs, report: dict) -> dict:
     return run_record(
         "emulated", report["n_targets"], **{k: report[k] for k in _EMULATED_KEYS},
         draft_service_ms=1e3 * report["draft_service_s"], verify_ms=report["verify_ms"],
-        calibrated_draft_service_ms=_scaled(calibration["draft_service_s"], 1e3),
+        calibrated_draft_service_ms=None if calibration["draft_service_s"] is None
+        else 1e3 * calibration["draft_service_s"],
         predicted_system_tokens_per_s=emulated_prediction(inputs, report, calibrated=True),
         predicted_one_s_tokens_per_s=emulated_prediction(inputs, report, calibrated=False),
     )  # fmt: skip
 
 
-def _scaled(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
-
-
 def emulated_prediction(inputs: analytic.ModelInputs, report: dict, calibrated: bool) -> float:
-    """The model's throughput for one sweep step, from inputs measured before its window.
+    """The model's throughput for one sweep step, from inputs measured outside its window.
 
-    ``calibrated``: S(d) and the verify time from this step's calibration phase (the second half
-    of its warm-up: same N, same hub, before the window); else the sweep's one S(d) and the
-    window's verify time. S(d) is not one number on a shared CPU: the drafter runs colder with
+    ``calibrated``: S(d) and the verify time from this step's calibration slices (same N, same
+    hub, alternating with the window's slices); else the sweep's one S(d) and the window's
+    verify time. S(d) is not one number on a shared CPU: the drafter runs colder with
     idle gaps between jobs (small N) than back to back (large N), and this VM's speed drifts
     within a sweep. The acceptance draws are the workload's: the model takes the window's
     realised E[L] (a short run's sample of alpha = 0.7 can be 10% off).
