@@ -105,7 +105,7 @@ class TargetRecord:
     round_s: float = 0.0
     verify_s: float = 0.0
     token_latency_s: list[float] = field(default_factory=list)
-    sequences: int = 0
+    had_proposal: bool = False
     calibration_rounds: int = 0
     calibration_verify_s: float = 0.0
 
@@ -140,9 +140,9 @@ async def _one_sequence(
         msg = await inbox.get()
         if not isinstance(msg, Proposal):
             raise RuntimeError(f"hub: {msg}")
-        if seq == 0 and record.sequences == 0:
+        if not record.had_proposal:
+            record.had_proposal = True
             window.first_proposals += 1
-        record.sequences += seq == 0
         verify_started = time.perf_counter()
         await asyncio.sleep(cfg.verify_ms / 1e3)
         accepted = accepted_count(rng, cfg.alpha, len(msg.tokens))
