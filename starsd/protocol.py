@@ -328,6 +328,39 @@ _ARRAYS: dict[type, dict[str, tuple[frozenset[str], int, bool]]] = {
 _SAMPLING_SCHEMA = {
     "temperature": (float, int), "top_k": _INT, "top_p": (float, int), "seed": _OPT_INT,
 }  # fmt: skip
+_DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # numpy's dtype.name is slow
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What encode and decode need to know about one message class, worked out once: the
+    per-message cost of ``dataclasses.fields`` and friends is most of a small message's."""
+
+    header: bytes  # version and type bytes
+    body_fields: tuple[str, ...]  # in declaration order; arrays excluded
+    array_fields: tuple[str, ...]  # frame order
+    field_names: frozenset[str]  # what a body may carry
+    defaulted: frozenset[str]  # what a body may leave out
+    schema: dict[str, tuple[type, ...]]
+    has_sampling: bool
+
+
+def _layout(cls: type) -> _Layout:
+    fields = dataclasses.fields(cls)
+    arrays = _ARRAYS.get(cls, {})
+    return _Layout(
+        header=bytes((PROTOCOL_VERSION, cls.TYPE)),  # type: ignore[attr-defined]
+        body_fields=tuple(f.name for f in fields if f.name not in arrays),
+        array_fields=tuple(f.name for f in fields if f.name in arrays),
+        field_names=frozenset(_SCHEMAS[cls]),
+        defaulted=frozenset(f.name for f in fields if f.default is not dataclasses.MISSING),
+        schema=_SCHEMAS[cls],
+        has_sampling="sampling" in _SCHEMAS[cls],
+    )
+
+
+_LAYOUTS = {cls: _layout(cls) for cls in MESSAGE_TYPES.values()}
 
 
 # ---------------------------------------------------------------------------------- encode
@@ -335,26 +368,22 @@ _SAMPLING_SCHEMA = {
 
 def encode(msg: Message) -> list[bytes | memoryview]:
     """Serialise a message into frames: header (version, type, msgpack body) + array frames."""
-    body: dict[str, Any] = {}
-    arrays: list[list[Any]] = []
+    layout = _LAYOUTS[type(msg)]
+    body: dict[str, Any] = {name: getattr(msg, name) for name in layout.body_fields}
+    if layout.has_sampling:
+        body["sampling"] = dataclasses.asdict(body["sampling"])
     frames: list[bytes | memoryview] = []
-    array_fields = _ARRAYS.get(type(msg), {})
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        if f.name in array_fields:
-            if value is not None:
-                arr = np.ascontiguousarray(value)
-                arrays.append([f.name, arr.dtype.name, list(arr.shape)])
-                # (a zero-size array has no byte view to cast: it travels as an empty frame)
-                frames.append(memoryview(arr).cast("B") if arr.size else b"")  # type: ignore[arg-type]
-        elif isinstance(value, SamplingParams):
-            body[f.name] = dataclasses.asdict(value)
-        else:
-            body[f.name] = value
+    arrays: list[list[Any]] = []
+    for name in layout.array_fields:
+        value = getattr(msg, name)
+        if value is not None:
+            arr = np.ascontiguousarray(value)
+            arrays.append([name, _DTYPE_NAMES.get(arr.dtype) or arr.dtype.name, list(arr.shape)])
+            # (a zero-size array has no byte view to cast: it travels as an empty frame)
+            frames.append(memoryview(arr).cast("B") if arr.size else b"")  # type: ignore[arg-type]
     if arrays:
         body["arrays"] = arrays
-    header = bytes((PROTOCOL_VERSION, msg.TYPE)) + msgpack.packb(body, use_bin_type=True)
-    return [header, *frames]
+    return [layout.header + msgpack.packb(body, use_bin_type=True), *frames]
 
 
 # ---------------------------------------------------------------------------------- decode
@@ -406,17 +435,15 @@ def _unpack_body(raw: memoryview) -> dict[str, Any]:
 
 
 def _check_fields(cls: type, body: dict[str, Any]) -> dict[str, Any]:
-    schema = _SCHEMAS[cls]
-    unknown = set(body) - set(schema)
-    if unknown:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: unknown {sorted(unknown)}")
-    defaults = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-    for name, types in schema.items():
-        if name not in body:
-            if name in defaults:
-                continue
+    layout = _LAYOUTS[cls]
+    if not layout.field_names.issuperset(body):
+        unknown = sorted(set(body) - layout.field_names)
+        raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: unknown {unknown}")
+    for name, types in layout.schema.items():
+        if name in body:
+            _check_type(cls.__name__, name, body[name], types)
+        elif name not in layout.defaulted:
             raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: missing field {name!r}")
-        _check_type(cls.__name__, name, body[name], types)
     return body
 
 
@@ -472,7 +499,7 @@ def _decode_array(
     if name not in spec:
         raise ProtocolError(ErrorCode.MALFORMED, f"{where}: unexpected array {name!r}")
     dtypes, rank, _ = spec[name]
-    if dtype not in dtypes or dtype not in ALLOWED_DTYPES:
+    if not isinstance(dtype, str) or dtype not in dtypes or dtype not in ALLOWED_DTYPES:
         raise ProtocolError(ErrorCode.MALFORMED, f"{where}.{name}: dtype {dtype!r} not allowed")
     if not _valid_shape(shape, rank):
         raise ProtocolError(ErrorCode.MALFORMED, f"{where}.{name}: bad shape {shape!r}")
@@ -480,19 +507,18 @@ def _decode_array(
     count = math.prod(shape)
     if count > MAX_ARRAY_ELEMENTS or len(buf) > MAX_FRAME_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{where}.{name}: array too large")
-    expected = count * np.dtype(dtype).itemsize
+    expected = count * _DTYPES[dtype].itemsize
     if len(buf) != expected:
         raise ProtocolError(
             ErrorCode.MALFORMED, f"{where}.{name}: {len(buf)} bytes, shape needs {expected}"
         )
-    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    arr = np.frombuffer(buf, dtype=_DTYPES[dtype]).reshape(shape)
     arr.flags.writeable = False
     return name, arr
 
 
 def _valid_shape(shape: Any, rank: int) -> bool:
-    return (
-        isinstance(shape, list)
-        and len(shape) == rank
-        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 31 for d in shape)
-    )
+    if not isinstance(shape, list) or len(shape) != rank:
+        return False
+    # type() is, not isinstance: a bool is an int subclass but no dimension
+    return all(type(d) is int and 0 <= d < 1 << 31 for d in shape)

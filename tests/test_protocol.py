@@ -123,6 +123,10 @@ BAD_FRAMES = {
         _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
                                 "arrays": [["appended", "object", [1]]]}), b"\x00" * 8],
         ErrorCode.MALFORMED),
+    "dtype not a string": ([  # unhashable: once escaped as TypeError, i.e. an INTERNAL reply
+        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
+                                "arrays": [["appended", [1], [1]]]}), b"\x00" * 4],
+        ErrorCode.MALFORMED),
     "float tokens": ([
         _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
                                 "arrays": [["appended", "float32", [1]]]}), b"\x00" * 4],
