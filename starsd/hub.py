@@ -3,12 +3,15 @@
     python -m starsd.hub --model DIR --bind tcp://127.0.0.1:5555 [--gamma 4] [--device cuda]
     python -m starsd.hub --bind tcp://*:5555 --curve-secret hub.key_secret --allow-dir targets/
 
-The event loop owns the socket and all protocol state (peers, session ownership, sequence
-numbers, leases); it never runs the model. Draft requests go into the global queue Q_in (fair
-across targets, see :mod:`starsd.scheduler`); the drafting thread takes every pending request,
-calls ``Drafter.propose`` and hands results back to the loop (Q_out is the loop's own ready
-queue, via ``call_soon_threadsafe``), which sends them. The drafter
-therefore works whenever any target has work pending and never waits for one target's verdict.
+The event loop reads the socket and handles every message; it never runs the model. Draft
+requests go into the global queue Q_in (fair across targets, see :mod:`starsd.scheduler`); the
+drafting thread takes every pending request, calls ``Drafter.propose`` and delivers the results
+itself: it updates the sessions and sends each proposal with a NOBLOCK send, so Q_out is the
+ROUTER's per-target outgoing queues, which the ZeroMQ I/O thread drains while the next batch
+is drafted. The drafter therefore works whenever any target has work pending and never waits
+for one target's verdict or for the network. Protocol state (peers, sessions, sequence numbers,
+leases) is shared by the two threads under one lock, held only for bookkeeping, never across
+model work.
 
 Faults: any message renews its target's lease; a target silent for 3 heartbeat intervals loses
 its sessions and draft state. Every reply carries the hub's random epoch, so a target notices a
@@ -123,6 +126,7 @@ class Hub:
         self.peers: dict[bytes, Peer] = {}  # by routing id
         self.sessions: dict[bytes, Session] = {}
         self.stats = HubStats()
+        self.lock = threading.Lock()  # peers, sessions and their counters: loop vs drafting thread
         self.q_in: FairQueue[DraftJob] = FairQueue()
         self.router: transport.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
@@ -138,8 +142,7 @@ class Hub:
         self.router = sock = transport.router(ctx, self.config.bind, self.config.curve,
                                               int(1000 * self.config.heartbeat_s))  # fmt: skip
         self.endpoint = sock.endpoint
-        worker = threading.Thread(target=self._drafting_loop, args=(asyncio.get_running_loop(),),
-                                  name="drafter")  # fmt: skip
+        worker = threading.Thread(target=self._drafting_loop, name="drafter")
         worker.start()
         self._log_start()
         sock.start(self._on_messages)
@@ -179,20 +182,25 @@ class Hub:
 
     async def _drain(self) -> None:
         """Admit nothing new, deliver what is in flight, then tell every target we are going."""
-        self.draining = True
-        in_flight = sum(s.in_flight for s in self.sessions.values())
-        log.info("draining: %d rounds in flight, %d sessions, timeout %.1f s", in_flight,
+        with self.lock:
+            self.draining = True
+        log.info("draining: %d rounds in flight, %d sessions, timeout %.1f s", self._in_flight(),
                  len(self.sessions), self.config.drain_timeout_s)  # fmt: skip
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while any(s.in_flight for s in self.sessions.values()) and time.monotonic() < deadline:
+        while self._in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        for peer in self.peers.values():
-            self._send(peer.routing_id, Error(ErrorCode.SHUTTING_DOWN, "hub is stopping"))
+        with self.lock:
+            for peer in self.peers.values():
+                self._send(peer.routing_id, Error(ErrorCode.SHUTTING_DOWN, "hub is stopping"))
         await asyncio.sleep(0.05)  # let the I/O thread flush the notices (LINGER is 0)
+
+    def _in_flight(self) -> int:
+        with self.lock:
+            return sum(s.in_flight for s in self.sessions.values())
 
     # ------------------------------------------------------------------ drafting thread
 
-    def _drafting_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _drafting_loop(self) -> None:
         limit = min(self.config.max_batch, self.drafter.batch_size)
         while (batch := self.q_in.take(limit)) is not None:
             started, cpu_started = time.perf_counter(), time.thread_time()
@@ -203,7 +211,8 @@ class Hub:
             self.stats.busy_cpu_s += time.thread_time() - cpu_started
             self.stats.batches += 1
             self.stats.jobs += len(batch)
-            loop.call_soon_threadsafe(self._deliver_batch, batch, results, started)
+            with self.lock:  # delivering here spares each round a wake-up of the event loop
+                self._deliver_batch(batch, results, started)
 
     # ------------------------------------------------------------------ event loop
 
@@ -211,9 +220,10 @@ class Hub:
         if self.allow is not None:
             self.allow.maybe_reload()
         for received in received_batch:
-            self.stats.messages += 1
-            for reply in self.handle(received.peer, received.frames, received.user_id):
-                self._send(received.peer, reply)
+            with self.lock:  # per message: the drafting thread's deliveries wait one at most
+                self.stats.messages += 1
+                for reply in self.handle(received.peer, received.frames, received.user_id):
+                    self._send(received.peer, reply)
 
     def _deliver_batch(self, batch: list[DraftJob], results: list[Proposal | Error],
                        started: float) -> None:  # fmt: skip
@@ -236,12 +246,13 @@ class Hub:
     def expire_leases(self, now: float) -> int:
         """Forget every target silent for LEASE_INTERVALS heartbeats; returns how many."""
         lease = LEASE_INTERVALS * self.config.heartbeat_s
-        dead = [p for p in self.peers.values() if now - p.last_seen > lease]
-        for peer in dead:
-            freed = self._forget_peer(peer)
-            self.stats.sessions_expired += freed
-            log.info("target %s silent for %.1f s: lease expired, freed %d sessions",
-                     peer.stats.name, now - peer.last_seen, freed)  # fmt: skip
+        with self.lock:
+            dead = [p for p in self.peers.values() if now - p.last_seen > lease]
+            for peer in dead:
+                freed = self._forget_peer(peer)
+                self.stats.sessions_expired += freed
+                log.info("target %s silent for %.1f s: lease expired, freed %d sessions",
+                         peer.stats.name, now - peer.last_seen, freed)  # fmt: skip
         return len(dead)
 
     def _forget_peer(self, peer: Peer) -> int:
@@ -283,7 +294,8 @@ class Hub:
     def handle(
         self, routing_id: bytes, frames: list, user_id: str | None = None
     ) -> list[protocol.Message]:
-        """Decode one message and act on it; returns the immediate replies.
+        """Decode one message and act on it; returns the immediate replies. While serving,
+        the caller holds ``self.lock``.
 
         ``user_id`` is the CURVE key of the sender (None in plain text). Nothing is allocated
         for a sender until its HELLO is accepted.
@@ -418,7 +430,7 @@ class Hub:
         peer.stats.record_verdict(session.last_gamma, msg.accepted)
         if session.routing_id != peer.routing_id:  # the owner reconnected (same CURVE key)
             self._move(session, peer)
-        appended = tuple(int(t) for t in msg.appended)
+        appended = tuple(msg.appended.tolist())
         self._enqueue(session, DraftJob(msg.tag, msg.seq, session.state, msg.accepted, appended,
                                         features=msg.features))  # fmt: skip
         return []
@@ -472,7 +484,8 @@ class Hub:
             return None if allow_empty else "empty"
         if ids.size > max(protocol.MAX_APPENDED, self.max_positions or 0):
             return f"{ids.size} tokens is too many"
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+        values = ids.tolist()  # min/max of a list: numpy reductions cost more on a few tokens
+        if min(values) < 0 or max(values) >= self.vocab_size:
             return f"token id outside 0..{self.vocab_size - 1}"
         return None
 
@@ -496,10 +509,11 @@ class Hub:
         )
 
     def _log_stats(self) -> None:
-        log.info(self.stats.line(len(self.sessions), len(self.peers)))
-        for peer in self.peers.values():
-            if peer.stats.jobs:
-                log.info(peer.stats.line())
+        with self.lock:
+            log.info(self.stats.line(len(self.sessions), len(self.peers)))
+            for peer in self.peers.values():
+                if peer.stats.jobs:
+                    log.info(peer.stats.line())
 
     def _log_summary(self) -> None:
         log.info("hub stopped after %.1f s; summary:", time.perf_counter() - self.stats.started)

@@ -1,9 +1,9 @@
 """ZeroMQ transport: sockets configured for StarSD and message send/receive at the boundary.
 
 Frames in, typed messages out (via :mod:`starsd.protocol`); nothing past this module sees raw
-frames. Targets use zmq.asyncio DEALERs; the hub's ROUTER is a synchronous socket driven by a
-reader callback on the event loop (:class:`Router`). Sends never block the event loop (NOBLOCK,
-and the hub's ROUTER reports unroutable peers instead of dropping silently).
+frames. Targets use zmq.asyncio DEALERs; the hub's ROUTER is a synchronous socket read by a
+reader callback on the event loop and written from any thread (:class:`Router`). Sends never
+block (NOBLOCK, and the hub's ROUTER reports unroutable peers instead of dropping silently).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,17 +51,23 @@ def new_context() -> zmq.asyncio.Context:
 
 
 class Router:
-    """The hub's ROUTER socket, driven by one reader callback on the event loop.
+    """The hub's ROUTER socket, read by one reader callback on the event loop, written from any
+    thread.
 
-    A synchronous libzmq socket, used only on the event loop thread: the loop watches its FD
-    and :meth:`_pump` reads every queued message (NOBLOCK, until EAGAIN) and hands them to the
-    handler in one batch; :meth:`send` is a NOBLOCK send. No future is created per message
-    (zmq.asyncio's poll/send machinery cost 0.05-0.1 ms per round on this VM).
+    A synchronous libzmq socket: the loop watches its FD and :meth:`_pump` reads every queued
+    message (NOBLOCK, while ZMQ_EVENTS shows input) and hands them to the handler in one batch;
+    :meth:`send` is a NOBLOCK send that any thread may call, so the drafting thread sends its
+    proposals without waking the loop (a cross-thread hand-off cost 35-40 us on this project's
+    2-vCPU test VM, several times that after an idle spell).
+    libzmq sockets are not thread-safe, but may move between threads behind a full memory
+    barrier: every socket operation runs under one lock. No future is created per message
+    (zmq.asyncio's poll/send machinery cost 0.05-0.1 ms per round).
 
     libzmq's FD is edge-triggered: any operation on the socket, a send included, may consume
-    the notification of a message that arrived meanwhile. So every operation ends in
-    :meth:`_watch`, which checks ZMQ_EVENTS and schedules another pump if input is waiting;
-    a send that skipped this check once left the hub deaf to a target for a minute.
+    the notification of a message that arrived meanwhile. So every operation ends in a
+    ZMQ_EVENTS check (:meth:`_watch`, or the read loop's own) that schedules another pump if
+    input is waiting; a send that skipped this check once left the hub deaf to a target for a
+    minute.
     """
 
     def __init__(self, sock: zmq.Socket, curve: bool = False) -> None:
@@ -68,6 +75,7 @@ class Router:
         self.curve = curve
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_batch: Callable[[list[Received]], None] = _ignore
+        self._lock = threading.Lock()  # the socket, and whether a pump is scheduled
         self._scheduled = False
 
     @property
@@ -80,10 +88,12 @@ class Router:
         self._loop = asyncio.get_running_loop()
         self._on_batch = on_batch
         self._loop.add_reader(self.sock.FD, self._pump)
-        self._watch()  # messages queued before the reader existed
+        with self._lock:
+            self._watch()  # messages queued before the reader existed
 
     def send(self, peer: bytes, msg: protocol.Message) -> bool:
-        """Send ``msg`` to ``peer`` without blocking; False (and a log line) if it cannot go."""
+        """Send ``msg`` to ``peer`` without blocking; False (and a log line) if it cannot go.
+        Any thread may call it."""
         try:
             self.send_frames(peer, protocol.encode(msg))
             return True
@@ -97,38 +107,46 @@ class Router:
 
     def send_frames(self, peer: bytes, frames: list[Any]) -> None:
         """Send raw frames without blocking (zmq.Again / EHOSTUNREACH propagate)."""
-        try:
-            self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False)
-        finally:
-            self._watch()
+        with self._lock:
+            try:
+                self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False)
+            finally:
+                self._watch()
 
     def close(self) -> None:
-        """Stop watching and close without lingering."""
+        """Stop watching and close without lingering (once no other thread sends)."""
         if self._loop is not None and not self.sock.closed:
             self._loop.remove_reader(self.sock.FD)
-        self.sock.close(linger=0)
+        with self._lock:
+            self.sock.close(linger=0)
 
     def _watch(self) -> None:
+        # Called with the lock held, on any thread.
         if self._scheduled or self._loop is None or self.sock.closed:
             return
         if int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._scheduled = True
-            self._loop.call_soon(self._pump)
+            self._loop.call_soon_threadsafe(self._pump)
 
     def _pump(self) -> None:
-        self._scheduled = False
-        if self.sock.closed:
-            return
-        try:
+        with self._lock:
+            self._scheduled = False
+            if self.sock.closed:
+                return
             batch = self._read(PUMP_LIMIT)
-            if batch:
-                self._on_batch(batch)
-        finally:
-            self._watch()  # more input (or input the handler's sends hid): another turn
+        if batch:
+            self._on_batch(batch)  # (its sends re-check the socket themselves)
 
     def _read(self, limit: int) -> list[Received]:
+        # Reads while ZMQ_EVENTS shows input, rather than until a recv raises EAGAIN (an
+        # exception per pump costs more than the check); the last check re-arms the FD.
         batch: list[Received] = []
-        while len(batch) < limit:
+        while int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if len(batch) == limit:  # more waiting: another turn, after timers and others
+                self._scheduled = True
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._pump)
+                break
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:

@@ -36,12 +36,11 @@ async def _client(ctx: zmq.asyncio.Context, endpoint: str, index: int,
 
 
 async def test_every_client_gets_its_replies_when_a_worker_thread_answers() -> None:
-    """Like the hub: requests are read on the loop, answered from a worker thread through
-    call_soon_threadsafe, while other clients' requests keep arriving (the lockstep test
-    below is the one that catches a lost wake-up; here later arrivals would mask it)."""
+    """Like the hub: requests are read on the loop and answered by a worker thread's own sends,
+    while other clients' requests keep arriving (the lockstep test below is the one that
+    catches a lost wake-up; here later arrivals would mask it)."""
     ctx = transport.new_context()
     router = transport.router(ctx, "tcp://127.0.0.1:*")
-    loop = asyncio.get_running_loop()
     work: list[tuple[bytes, int]] = []
     ready = threading.Condition()
     stopping = threading.Event()
@@ -63,7 +62,7 @@ async def test_every_client_gets_its_replies_when_a_worker_thread_answers() -> N
             for peer, nonce in jobs:
                 if rng.random() < 0.3:  # sometimes reply late, so sends interleave with arrivals
                     stopping.wait(rng.random() * 1e-3)
-                loop.call_soon_threadsafe(router.send, peer, Pong(nonce))
+                router.send(peer, Pong(nonce))
 
     thread = threading.Thread(target=worker)
     thread.start()
@@ -85,7 +84,6 @@ async def test_a_lockstep_client_is_read_while_the_hub_keeps_sending_to_others()
     hub is busy sending to someone else, and nothing else arrives after it to re-signal."""
     ctx = transport.new_context()
     router = transport.router(ctx, "tcp://127.0.0.1:*")
-    loop = asyncio.get_running_loop()
     sink, _ = transport.dealer(ctx, router.endpoint)
     peers: dict[str, bytes] = {}
     stopping = threading.Event()
@@ -99,10 +97,10 @@ async def test_a_lockstep_client_is_read_while_the_hub_keeps_sending_to_others()
             else:
                 router.send(received.peer, Pong(msg.nonce))
 
-    def noise() -> None:  # a steady stream of sends to the sink, from another thread
-        while not stopping.wait(5e-5):
+    def noise() -> None:  # a steady stream of sends to the sink, from another thread (as the
+        while not stopping.wait(5e-5):  # drafting thread sends while the loop reads)
             if "sink" in peers:
-                loop.call_soon_threadsafe(router.send, peers["sink"], Pong(-1))
+                router.send(peers["sink"], Pong(-1))
 
     router.start(on_batch)
     await sink.send_multipart(protocol.encode(Ping(-1)))
