@@ -206,13 +206,14 @@ class Hub:
             started, cpu_started = time.perf_counter(), time.thread_time()
             self.stats.batch_started = started
             results = self.drafter.propose(batch)
+            with self.lock:  # delivering here spares each round a wake-up of the event loop
+                self._deliver_batch(batch, results, started)
+            # Busy time is the whole service of the batch, delivery included: S(d) of the model.
             self.stats.batch_started = None
             self.stats.busy_s += time.perf_counter() - started
             self.stats.busy_cpu_s += time.thread_time() - cpu_started
             self.stats.batches += 1
             self.stats.jobs += len(batch)
-            with self.lock:  # delivering here spares each round a wake-up of the event loop
-                self._deliver_batch(batch, results, started)
 
     # ------------------------------------------------------------------ event loop
 

@@ -51,9 +51,9 @@ class HubStats:
     """Hub-wide figures: drafting busy time against wall time since start."""
 
     started: float = field(default_factory=time.perf_counter)
-    busy_s: float = 0.0  # completed batches, wall time
+    busy_s: float = 0.0  # completed batches (drafted and delivered), wall time
     busy_cpu_s: float = 0.0  # the drafting thread's CPU time in those batches
-    batch_started: float | None = None  # the batch being drafted now, if any
+    batch_started: float | None = None  # the batch being drafted or delivered now, if any
     batches: int = 0
     jobs: int = 0
     messages: int = 0
