@@ -58,11 +58,17 @@ def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInf
     echo_ep = wait_for_line(work / "echo.log", r"echo listening on (tcp://\S+)", echo)
     hub, hub_ep = _null_hub(cfg, procs, work, None)
     try:
-        return overhead.measure(echo_ep, hub_ep, _hello(info), rounds=500 if cfg.quick else 2000,
-                                reps=5)  # fmt: skip
+        result = overhead.measure(echo_ep, hub_ep, _hello(info), 1000 if cfg.quick else 3000)
     finally:
         stop(hub)
         stop(echo)
+    blocking, echo_ms = result["blocking_client"], result["echo_round_trip_ms"]
+    print(f"[overhead] paced ({result['think_ms']} ms idle): echo {echo_ms:.3f}"
+          f" ms, round {result['round_ms']:.3f} ms, hub adds {result['added_over_echo']:.2f}x the"
+          f" echo (blocking client {blocking['added_over_echo']:.2f}x); back to back"
+          f" {result['back_to_back']['added_over_echo']:.2f}x"
+          f" ({blocking['back_to_back']['added_over_echo']:.2f}x)", flush=True)  # fmt: skip
+    return result
 
 
 def link_round_ms(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,

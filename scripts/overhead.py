@@ -1,14 +1,22 @@
 """Hub overhead probe: the hub's per-round time against a bare ZeroMQ echo, measured side by side.
 
-A DEALER client times three round trips, alternated A B C A B C so this machine's speed drift
-hits all of them alike:
+A DEALER client times three round trips:
 
-* echo:  scripts/zmq_echo.py, the same socket options and drain loop as the hub, no protocol;
-* ping:  PING -> PONG through the hub, i.e. decode, dispatch and encode on the event loop;
+* echo:  scripts/zmq_echo.py, the same socket options and reader as the hub, no protocol;
 * round: DRAFT -> PROPOSAL through a hub running the null drafter, i.e. the whole round path,
-  including the handoff to the drafting thread and back, with no model work.
+  including the handoff to the drafting thread and its send, with no model work;
+* ping:  PING -> PONG through the hub, i.e. decode, dispatch and encode on the event loop only.
 
-Twice: with a zmq.asyncio client on uvloop, as targets use (the bare round trip the issue
+in two regimes, in one run:
+
+* paced (the headline figures): the client idles ``THINK_MS`` before every probe, as a target
+  idles on the network while it verifies, and the probes alternate round by round (echo,
+  round, ping, echo, ...). Every service then starts each request from the same idle state,
+  and this machine's speed drift hits all probes alike;
+* back_to_back: each probe in a tight loop of its own, in alternated blocks: the hot best case
+  of both sides, which a hub serving real targets never sees.
+
+Each with a zmq.asyncio client on uvloop, as targets use (the bare round trip the issue
 defines: an asyncio DEALER/ROUTER echo), and with a blocking client, which takes the client's
 own asyncio costs out of the bare round trip and so gives the stricter ratio.
 """
@@ -27,6 +35,158 @@ import zmq.asyncio
 from starsd import protocol, transport
 from starsd.protocol import Draft, Hello, Open, Opened, Ping, SamplingParams
 
+THINK_MS = 2.0  # beyond ~1 ms of idling this VM's wake-up cost no longer grows much
+BLOCKS = 10  # back-to-back blocks per probe; also the stretches the spread is reported over
+Samples = dict[str, list[float]]  # probe -> round trip times in ms, in the order measured
+
+
+def measure(echo_ep: str, hub_ep: str, hello: Hello, rounds: int = 1000) -> dict:
+    """Paced figures of the asyncio client (see :func:`summary`), with ``back_to_back`` and,
+    under ``blocking_client``, the same two for a blocking client."""
+    paced, tight = transport.run_loop(_measure_asyncio(echo_ep, hub_ep, hello, rounds))
+    blocking_paced, blocking_tight = _measure_blocking(echo_ep, hub_ep, hello, rounds)
+    return {
+        **summary(paced), "think_ms": THINK_MS, "client": "zmq.asyncio DEALER on uvloop",
+        "back_to_back": summary(tight),
+        "blocking_client": {**summary(blocking_paced), "back_to_back": summary(blocking_tight)},
+    }  # fmt: skip
+
+
+def summary(samples: Samples) -> dict:
+    """Per-probe medians over all rounds and the hub's added time as a multiple of the echo.
+
+    ``added_over_echo_spread`` repeats the ratio over BLOCKS consecutive stretches of the run,
+    to show how far this machine's noise moves it.
+    """
+    echo_ms, ping_ms, round_ms = (statistics.median(samples[k]) for k in ("echo", "ping", "round"))
+    stretches = {k: _stretch_medians(v) for k, v in samples.items()}
+    ratios = [(r - e) / e for e, r in zip(stretches["echo"], stretches["round"], strict=True)]
+    return {
+        "echo_round_trip_ms": echo_ms,
+        "ping_ms": ping_ms,
+        "round_ms": round_ms,
+        "added_ms": round_ms - echo_ms,
+        "added_over_echo": (round_ms - echo_ms) / echo_ms,
+        "added_over_echo_spread": {"min": min(ratios), "max": max(ratios)},
+        "loop_added_ms": ping_ms - echo_ms,
+        "handoff_added_ms": round_ms - ping_ms,
+        "rounds": len(samples["round"]),
+    }
+
+
+def _stretch_medians(values: list[float]) -> list[float]:
+    size = max(1, len(values) // BLOCKS)
+    return [statistics.median(values[i : i + size]) for i in range(0, len(values) - size + 1, size)]
+
+
+# ---------------------------------------------------------------------- asyncio client
+
+
+async def _measure_asyncio(echo_ep: str, hub_ep: str, hello: Hello, rounds: int
+                           ) -> tuple[Samples, Samples]:  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    echo, hub = _dealer(ctx, echo_ep), _dealer(ctx, hub_ep)
+    try:
+        tag = await _aopen(hub, hello)
+        seq = iter(range(1, 10**9))
+        steps: dict[str, Callable[[], Awaitable[object]]] = {
+            "echo": lambda: _acall(echo, Ping(1)),
+            "round": lambda: _acall(hub, Draft(tag, next(seq), 0, np.array([5], np.int32))),
+            "ping": lambda: _acall(hub, Ping(1)),
+        }
+        for step in steps.values():  # warm-up
+            for _ in range(rounds // 10):
+                await step()
+        return await _apaced(steps, rounds), await _ablocks(steps, rounds)
+    finally:
+        echo.close()
+        hub.close()
+        ctx.term()
+
+
+async def _apaced(steps: dict[str, Callable[[], Awaitable[object]]], rounds: int) -> Samples:
+    samples: Samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            await asyncio.sleep(THINK_MS / 1e3)
+            t0 = time.perf_counter()
+            await step()
+            samples[name].append(1e3 * (time.perf_counter() - t0))
+    return samples
+
+
+async def _ablocks(steps: dict[str, Callable[[], Awaitable[object]]], rounds: int) -> Samples:
+    samples: Samples = {name: [] for name in steps}
+    for _ in range(BLOCKS):
+        for name, step in steps.items():
+            for _ in range(rounds // BLOCKS):
+                t0 = time.perf_counter()
+                await step()
+                samples[name].append(1e3 * (time.perf_counter() - t0))
+    return samples
+
+
+async def _acall(sock: zmq.asyncio.Socket, msg: protocol.Message) -> protocol.Message:
+    await sock.send_multipart(protocol.encode(msg))
+    return protocol.decode(await sock.recv_multipart(copy=False))
+
+
+async def _aopen(hub: zmq.asyncio.Socket, hello: Hello) -> bytes:
+    await _acall(hub, hello)
+    opened = await _acall(hub, Open(1, np.array([1, 2, 3], np.int32), SamplingParams(), 4))
+    if not isinstance(opened, Opened):
+        raise RuntimeError(f"hub refused OPEN: {opened}")
+    protocol.decode(await hub.recv_multipart(copy=False))  # PROPOSAL seq 0
+    return opened.tag
+
+
+# ---------------------------------------------------------------------- blocking client
+
+
+def _measure_blocking(echo_ep: str, hub_ep: str, hello: Hello, rounds: int
+                      ) -> tuple[Samples, Samples]:  # fmt: skip
+    ctx = zmq.Context()
+    echo, hub = _dealer(ctx, echo_ep), _dealer(ctx, hub_ep)
+    try:
+        tag = _open_session(hub, hello)
+        ping = protocol.encode(Ping(1))
+        seq = iter(range(1, 10**9))
+        steps: dict[str, Callable[[], object]] = {
+            "echo": lambda: (echo.send_multipart(ping), echo.recv_multipart(copy=False)),
+            "round": lambda: _call(hub, Draft(tag, next(seq), 0, np.array([5], np.int32))),
+            "ping": lambda: _call(hub, Ping(1)),
+        }
+        for step in steps.values():  # warm-up
+            for _ in range(rounds // 10):
+                step()
+        return _paced(steps, rounds), _blocks(steps, rounds)
+    finally:
+        echo.close()
+        hub.close()
+        ctx.term()
+
+
+def _paced(steps: dict[str, Callable[[], object]], rounds: int) -> Samples:
+    samples: Samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            time.sleep(THINK_MS / 1e3)
+            t0 = time.perf_counter()
+            step()
+            samples[name].append(1e3 * (time.perf_counter() - t0))
+    return samples
+
+
+def _blocks(steps: dict[str, Callable[[], object]], rounds: int) -> Samples:
+    samples: Samples = {name: [] for name in steps}
+    for _ in range(BLOCKS):
+        for name, step in steps.items():
+            for _ in range(rounds // BLOCKS):
+                t0 = time.perf_counter()
+                step()
+                samples[name].append(1e3 * (time.perf_counter() - t0))
+    return samples
+
 
 def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
@@ -41,70 +201,16 @@ def _call(sock: zmq.Socket, msg: protocol.Message) -> protocol.Message:
     return protocol.decode(sock.recv_multipart(copy=False))
 
 
-def _open_session(sock: zmq.Socket, hello: Hello, gamma: int) -> bytes:
+def _open_session(sock: zmq.Socket, hello: Hello) -> bytes:
     _call(sock, hello)
-    opened = _call(sock, Open(1, np.array([1, 2, 3], np.int32), SamplingParams(), gamma))
+    opened = _call(sock, Open(1, np.array([1, 2, 3], np.int32), SamplingParams(), 4))
     if not isinstance(opened, Opened):
         raise RuntimeError(f"hub refused OPEN: {opened}")
     protocol.decode(sock.recv_multipart(copy=False))  # PROPOSAL seq 0
     return opened.tag
 
 
-async def _acall(sock: zmq.asyncio.Socket, msg: protocol.Message) -> protocol.Message:
-    await sock.send_multipart(protocol.encode(msg))
-    return protocol.decode(await sock.recv_multipart(copy=False))
-
-
-def _median_ms(step: Callable[[], object], rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
-async def _amedian_ms(step: Callable[[], Awaitable[object]], rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        await step()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
-def measure(echo_ep: str, hub_ep: str, hello: Hello, rounds: int = 1000, reps: int = 3) -> dict:
-    """The asyncio client's figures (see :func:`summary`), with the blocking client's under
-    ``blocking_client``."""
-    asyncio_samples = transport.run_loop(_measure_asyncio(echo_ep, hub_ep, hello, rounds, reps))
-    blocking = summary(_measure_blocking(echo_ep, hub_ep, hello, rounds, reps))
-    return {**summary(asyncio_samples), "client": "zmq.asyncio DEALER on uvloop",
-            "blocking_client": blocking}  # fmt: skip
-
-
-async def _measure_asyncio(echo_ep: str, hub_ep: str, hello: Hello, rounds: int, reps: int
-                           ) -> dict[str, list[float]]:  # fmt: skip
-    ctx = zmq.asyncio.Context()
-    echo, hub = _dealer(ctx, echo_ep), _dealer(ctx, hub_ep)
-    try:
-        tag = await _aopen(hub, hello)
-        seq = iter(range(1, 10**9))
-        steps = {
-            "echo": lambda: _acall(echo, Ping(1)),
-            "ping": lambda: _acall(hub, Ping(1)),
-            "round": lambda: _acall(hub, Draft(tag, next(seq), 0, np.array([5], np.int32))),
-        }
-        samples: dict[str, list[float]] = {k: [] for k in steps}
-        for step in steps.values():
-            await _amedian_ms(step, rounds // 10)  # warm-up
-        for _ in range(reps):
-            for name, step in steps.items():
-                samples[name].append(await _amedian_ms(step, rounds))
-        return samples
-    finally:
-        echo.close()
-        hub.close()
-        ctx.term()
+# ---------------------------------------------------------------------- link time
 
 
 def link_round_ms(hub_ep: str, hello: Hello, think_s: float, rounds: int = 100) -> float:
@@ -129,57 +235,3 @@ async def _link_round_ms(hub_ep: str, hello: Hello, think_s: float, rounds: int)
     finally:
         hub.close()
         ctx.term()
-
-
-async def _aopen(hub: zmq.asyncio.Socket, hello: Hello) -> bytes:
-    await _acall(hub, hello)
-    opened = await _acall(hub, Open(1, np.array([1, 2, 3], np.int32), SamplingParams(), 4))
-    if not isinstance(opened, Opened):
-        raise RuntimeError(f"hub refused OPEN: {opened}")
-    protocol.decode(await hub.recv_multipart(copy=False))  # PROPOSAL seq 0
-    return opened.tag
-
-
-def _measure_blocking(echo_ep: str, hub_ep: str, hello: Hello, rounds: int, reps: int
-                      ) -> dict[str, list[float]]:  # fmt: skip
-    ctx = zmq.Context()
-    echo, hub = _dealer(ctx, echo_ep), _dealer(ctx, hub_ep)
-    try:
-        tag = _open_session(hub, hello, gamma=4)
-        ping = protocol.encode(Ping(1))
-        seq = iter(range(1, 10**9))
-        steps = {
-            "echo": lambda: (echo.send_multipart(ping), echo.recv_multipart(copy=False)),
-            "ping": lambda: _call(hub, Ping(1)),
-            "round": lambda: _call(hub, Draft(tag, next(seq), 0, np.array([5], np.int32))),
-        }
-        for step in steps.values():
-            _median_ms(step, rounds // 10)  # warm-up
-        samples: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(reps):
-            for name, step in steps.items():
-                samples[name].append(_median_ms(step, rounds))
-    finally:
-        echo.close()
-        hub.close()
-        ctx.term()
-    return samples
-
-
-def summary(samples: dict[str, list[float]]) -> dict:
-    """Per-probe figures and the hub's added time as a multiple of the bare echo.
-
-    Each probe's figure is the lowest of its repetitions' medians: this machine's noise only
-    ever adds time, and the repetitions are alternated so each probe had the same chances.
-    """
-    echo_ms, ping_ms, round_ms = (min(samples[k]) for k in ("echo", "ping", "round"))
-    return {
-        "echo_round_trip_ms": echo_ms,
-        "ping_ms": ping_ms,
-        "round_ms": round_ms,
-        "added_ms": round_ms - echo_ms,
-        "added_over_echo": (round_ms - echo_ms) / echo_ms,
-        "loop_added_ms": ping_ms - echo_ms,
-        "handoff_added_ms": round_ms - ping_ms,
-        "samples_ms": samples,
-    }
