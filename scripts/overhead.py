@@ -35,7 +35,7 @@ import zmq.asyncio
 from starsd import protocol, transport
 from starsd.protocol import Draft, Hello, Open, Opened, Ping, SamplingParams
 
-THINK_MS = 2.0  # beyond ~1 ms of idling this VM's wake-up cost no longer grows much
+THINK_MS = 2.0  # a short verify; longer idles make every wake-up (echo and hub alike) dearer
 BLOCKS = 10  # back-to-back blocks per probe; also the stretches the spread is reported over
 Samples = dict[str, list[float]]  # probe -> round trip times in ms, in the order measured
 
