@@ -9,6 +9,7 @@ flight per session and a quota of sessions per target.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Hashable
@@ -18,28 +19,44 @@ T = TypeVar("T")
 
 
 class FairQueue(Generic[T]):
-    """Thread-safe per-owner FIFOs, served round-robin; ``take`` blocks until work or close."""
+    """Thread-safe per-owner FIFOs, served round-robin; ``take`` blocks until work or close.
+
+    A waiting taker sleeps on a C-level queue (the doorbell), rung by ``put`` only when someone
+    waits: unlike ``threading.Condition``, the woken taker does not then block again on a lock
+    the putter still holds, so a hand-off costs one thread wake-up, not two.
+    """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._queues: OrderedDict[Hashable, deque[T]] = OrderedDict()  # non-empty deques only
         self._closed = False
+        self._waiting = 0  # takers asleep on the doorbell, or about to be
+        self._doorbell: queue.SimpleQueue[None] = queue.SimpleQueue()
 
     def put(self, owner: Hashable, job: T) -> None:
         """Queue ``job`` behind ``owner``'s earlier jobs."""
-        with self._cond:
+        with self._lock:
             self._queues.setdefault(owner, deque()).append(job)
-            self._cond.notify()
+            ring = self._waiting > 0
+            if ring:
+                self._waiting -= 1
+        if ring:  # outside the lock, so the woken taker finds it free
+            self._doorbell.put(None)
 
     def take(self, limit: int) -> list[T] | None:
         """Up to ``limit`` jobs, one per owner in turn; None once closed and empty."""
-        with self._cond:
-            while not self._queues and not self._closed:
-                self._cond.wait()
-            batch: list[T] = []
-            while self._queues and len(batch) < limit:
-                batch.append(self._next())
-            return batch if batch or not self._closed else None
+        while True:
+            with self._lock:
+                if self._queues or self._closed:
+                    return self._take_now(limit)
+                self._waiting += 1
+            self._doorbell.get()  # a put or close rings once for each waiting taker
+
+    def _take_now(self, limit: int) -> list[T] | None:
+        batch: list[T] = []
+        while self._queues and len(batch) < limit:
+            batch.append(self._next())
+        return batch if batch or not self._closed else None
 
     def _next(self) -> T:
         owner, jobs = next(iter(self._queues.items()))
@@ -50,7 +67,9 @@ class FairQueue(Generic[T]):
         return job
 
     def close(self) -> None:
-        """Wake the taker; jobs still queued are taken first, then ``take`` returns None."""
-        with self._cond:
+        """Wake every taker; jobs still queued are taken first, then ``take`` returns None."""
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            waiting, self._waiting = self._waiting, 0
+        for _ in range(waiting):
+            self._doorbell.put(None)

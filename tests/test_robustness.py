@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -155,6 +157,36 @@ def test_fair_queue_serves_targets_in_turn() -> None:
     assert q.take(10) == ["c2", "c3", "c4", "c5"]
     q.close()
     assert q.take(1) is None
+
+
+def test_fair_queue_wakes_sleeping_takers_for_every_job_and_on_close() -> None:
+    """Takers asleep on the doorbell get every job exactly once, however puts and takes
+    interleave, and close() wakes all of them (a lost wake-up fails the deadline)."""
+    q: FairQueue[int] = FairQueue()
+    taken: list[int] = []
+    guard = threading.Lock()
+
+    def taker() -> None:
+        while (batch := q.take(3)) is not None:
+            with guard:
+                taken.extend(batch)
+
+    # daemon: a lost wake-up must fail the test, not hang the run
+    takers = [threading.Thread(target=taker, daemon=True) for _ in range(3)]
+    for thread in takers:
+        thread.start()
+    for i in range(2000):
+        q.put(i % 7, i)
+        if i % 50 == 0:
+            time.sleep(0.001)  # let the takers fall asleep between bursts
+    deadline = time.monotonic() + 10
+    while len(taken) < 2000 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    q.close()
+    for thread in takers:
+        thread.join(timeout=5)
+    assert not any(thread.is_alive() for thread in takers)
+    assert sorted(taken) == list(range(2000))
 
 
 # ---------------------------------------------------------------------- fuzz
