@@ -340,10 +340,8 @@ class _Layout:
     header: bytes  # version and type bytes
     body_fields: tuple[str, ...]  # in declaration order; arrays excluded
     array_fields: tuple[str, ...]  # frame order
-    field_names: frozenset[str]  # what a body may carry
     defaulted: frozenset[str]  # what a body may leave out
-    schema: dict[str, tuple[type, ...]]
-    has_sampling: bool
+    schema: dict[str, tuple[type, ...]]  # every field a body may carry, with its types
 
 
 def _layout(cls: type) -> _Layout:
@@ -353,10 +351,8 @@ def _layout(cls: type) -> _Layout:
         header=bytes((PROTOCOL_VERSION, cls.TYPE)),  # type: ignore[attr-defined]
         body_fields=tuple(f.name for f in fields if f.name not in arrays),
         array_fields=tuple(f.name for f in fields if f.name in arrays),
-        field_names=frozenset(_SCHEMAS[cls]),
         defaulted=frozenset(f.name for f in fields if f.default is not dataclasses.MISSING),
         schema=_SCHEMAS[cls],
-        has_sampling="sampling" in _SCHEMAS[cls],
     )
 
 
@@ -370,7 +366,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     """Serialise a message into frames: header (version, type, msgpack body) + array frames."""
     layout = _LAYOUTS[type(msg)]
     body: dict[str, Any] = {name: getattr(msg, name) for name in layout.body_fields}
-    if layout.has_sampling:
+    if "sampling" in body:
         body["sampling"] = dataclasses.asdict(body["sampling"])
     frames: list[bytes | memoryview] = []
     arrays: list[list[Any]] = []
@@ -436,8 +432,8 @@ def _unpack_body(raw: memoryview) -> dict[str, Any]:
 
 def _check_fields(cls: type, body: dict[str, Any]) -> dict[str, Any]:
     layout = _LAYOUTS[cls]
-    if not layout.field_names.issuperset(body):
-        unknown = sorted(set(body) - layout.field_names)
+    if not layout.schema.keys() >= body.keys():
+        unknown = sorted(body.keys() - layout.schema.keys())
         raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: unknown {unknown}")
     for name, types in layout.schema.items():
         if name in body:

@@ -143,9 +143,7 @@ class Router:
         batch: list[Received] = []
         while int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             if len(batch) == limit:  # more waiting: another turn, after timers and others
-                self._scheduled = True
-                assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._pump)
+                self._watch()
                 break
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
