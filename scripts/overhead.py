@@ -43,8 +43,8 @@ Samples = dict[str, list[float]]  # probe -> round trip times in ms, in the orde
 def measure(echo_ep: str, hub_ep: str, hello: Hello, rounds: int = 1000) -> dict:
     """Paced figures of the asyncio client (see :func:`summary`), with ``back_to_back`` and,
     under ``blocking_client``, the same two for a blocking client."""
-    paced, tight = transport.run_loop(_measure_asyncio(echo_ep, hub_ep, hello, rounds))
-    blocking_paced, blocking_tight = _measure_blocking(echo_ep, hub_ep, hello, rounds)
+    (paced, tight), (blocking_paced, blocking_tight) = transport.run_loop(
+        _measure(echo_ep, hub_ep, hello, rounds))
     return {
         **summary(paced), "think_ms": THINK_MS, "client": "zmq.asyncio DEALER on uvloop",
         "back_to_back": summary(tight),
@@ -79,32 +79,45 @@ def _stretch_medians(values: list[float]) -> list[float]:
     return [statistics.median(values[i : i + size]) for i in range(0, len(values) - size + 1, size)]
 
 
-# ---------------------------------------------------------------------- asyncio client
+# ---------------------------------------------------------------------- probes
+
+Call = Callable[[zmq.Socket, protocol.Message | None], Awaitable[protocol.Message]]
+Step = Callable[[], Awaitable[object]]
 
 
-async def _measure_asyncio(echo_ep: str, hub_ep: str, hello: Hello, rounds: int
-                           ) -> tuple[Samples, Samples]:  # fmt: skip
-    ctx = zmq.asyncio.Context()
+async def _measure(echo_ep: str, hub_ep: str, hello: Hello, rounds: int
+                   ) -> tuple[tuple[Samples, Samples], tuple[Samples, Samples]]:  # fmt: skip
+    asyncio_client = await _probe(zmq.asyncio.Context(), _acall, echo_ep, hub_ep, hello, rounds)
+    blocking_client = await _probe(zmq.Context(), _bcall, echo_ep, hub_ep, hello, rounds,
+                                   raw_echo=True)  # fmt: skip
+    return asyncio_client, blocking_client
+
+
+async def _probe(ctx: zmq.Context, call: Call, echo_ep: str, hub_ep: str, hello: Hello,
+                 rounds: int, raw_echo: bool = False) -> tuple[Samples, Samples]:  # fmt: skip
+    """(paced, back-to-back) samples of one client kind; ``raw_echo``: the echo probe sends
+    pre-encoded frames and decodes nothing (the strictest bare round trip)."""
     echo, hub = _dealer(ctx, echo_ep), _dealer(ctx, hub_ep)
+    ping = protocol.encode(Ping(1))
     try:
-        tag = await _aopen(hub, hello)
+        tag = await _open(hub, hello, call)
         seq = iter(range(1, 10**9))
-        steps: dict[str, Callable[[], Awaitable[object]]] = {
-            "echo": lambda: _acall(echo, Ping(1)),
-            "round": lambda: _acall(hub, Draft(tag, next(seq), 0, np.array([5], np.int32))),
-            "ping": lambda: _acall(hub, Ping(1)),
+        steps: dict[str, Step] = {
+            "echo": (lambda: _raw(echo, ping)) if raw_echo else (lambda: call(echo, Ping(1))),
+            "round": lambda: call(hub, Draft(tag, next(seq), 0, np.array([5], np.int32))),
+            "ping": lambda: call(hub, Ping(1)),
         }
         for step in steps.values():  # warm-up
             for _ in range(rounds // 10):
                 await step()
-        return await _apaced(steps, rounds), await _ablocks(steps, rounds)
+        return await _paced(steps, rounds), await _blocks(steps, rounds)
     finally:
         echo.close()
         hub.close()
         ctx.term()
 
 
-async def _apaced(steps: dict[str, Callable[[], Awaitable[object]]], rounds: int) -> Samples:
+async def _paced(steps: dict[str, Step], rounds: int) -> Samples:
     samples: Samples = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
@@ -115,7 +128,7 @@ async def _apaced(steps: dict[str, Callable[[], Awaitable[object]]], rounds: int
     return samples
 
 
-async def _ablocks(steps: dict[str, Callable[[], Awaitable[object]]], rounds: int) -> Samples:
+async def _blocks(steps: dict[str, Step], rounds: int) -> Samples:
     samples: Samples = {name: [] for name in steps}
     for _ in range(BLOCKS):
         for name, step in steps.items():
@@ -126,66 +139,32 @@ async def _ablocks(steps: dict[str, Callable[[], Awaitable[object]]], rounds: in
     return samples
 
 
-async def _acall(sock: zmq.asyncio.Socket, msg: protocol.Message) -> protocol.Message:
-    await sock.send_multipart(protocol.encode(msg))
+async def _acall(sock: zmq.Socket, msg: protocol.Message | None) -> protocol.Message:
+    """Send ``msg`` (None: nothing) and decode the reply, the way targets do (zmq.asyncio)."""
+    if msg is not None:
+        await sock.send_multipart(protocol.encode(msg))
     return protocol.decode(await sock.recv_multipart(copy=False))
 
 
-async def _aopen(hub: zmq.asyncio.Socket, hello: Hello) -> bytes:
-    await _acall(hub, hello)
-    opened = await _acall(hub, Open(1, np.array([1, 2, 3], np.int32), SamplingParams(), 4))
+async def _bcall(sock: zmq.Socket, msg: protocol.Message | None) -> protocol.Message:
+    """The same on a blocking socket: no event-loop I/O inside the timed call."""
+    if msg is not None:
+        sock.send_multipart(protocol.encode(msg))
+    return protocol.decode(sock.recv_multipart(copy=False))
+
+
+async def _open(hub: zmq.Socket, hello: Hello, call: Call) -> bytes:
+    await call(hub, hello)
+    opened = await call(hub, Open(1, np.array([1, 2, 3], np.int32), SamplingParams(), 4))
     if not isinstance(opened, Opened):
         raise RuntimeError(f"hub refused OPEN: {opened}")
-    protocol.decode(await hub.recv_multipart(copy=False))  # PROPOSAL seq 0
+    await call(hub, None)  # PROPOSAL seq 0
     return opened.tag
 
 
-# ---------------------------------------------------------------------- blocking client
-
-
-def _measure_blocking(echo_ep: str, hub_ep: str, hello: Hello, rounds: int
-                      ) -> tuple[Samples, Samples]:  # fmt: skip
-    ctx = zmq.Context()
-    echo, hub = _dealer(ctx, echo_ep), _dealer(ctx, hub_ep)
-    try:
-        tag = _open_session(hub, hello)
-        ping = protocol.encode(Ping(1))
-        seq = iter(range(1, 10**9))
-        steps: dict[str, Callable[[], object]] = {
-            "echo": lambda: (echo.send_multipart(ping), echo.recv_multipart(copy=False)),
-            "round": lambda: _call(hub, Draft(tag, next(seq), 0, np.array([5], np.int32))),
-            "ping": lambda: _call(hub, Ping(1)),
-        }
-        for step in steps.values():  # warm-up
-            for _ in range(rounds // 10):
-                step()
-        return _paced(steps, rounds), _blocks(steps, rounds)
-    finally:
-        echo.close()
-        hub.close()
-        ctx.term()
-
-
-def _paced(steps: dict[str, Callable[[], object]], rounds: int) -> Samples:
-    samples: Samples = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            time.sleep(THINK_MS / 1e3)
-            t0 = time.perf_counter()
-            step()
-            samples[name].append(1e3 * (time.perf_counter() - t0))
-    return samples
-
-
-def _blocks(steps: dict[str, Callable[[], object]], rounds: int) -> Samples:
-    samples: Samples = {name: [] for name in steps}
-    for _ in range(BLOCKS):
-        for name, step in steps.items():
-            for _ in range(rounds // BLOCKS):
-                t0 = time.perf_counter()
-                step()
-                samples[name].append(1e3 * (time.perf_counter() - t0))
-    return samples
+async def _raw(sock: zmq.Socket, frames: list[bytes | memoryview]) -> object:
+    sock.send_multipart(frames)
+    return sock.recv_multipart(copy=False)
 
 
 def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -194,20 +173,6 @@ def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(endpoint)
     return sock
-
-
-def _call(sock: zmq.Socket, msg: protocol.Message) -> protocol.Message:
-    sock.send_multipart(protocol.encode(msg))
-    return protocol.decode(sock.recv_multipart(copy=False))
-
-
-def _open_session(sock: zmq.Socket, hello: Hello) -> bytes:
-    _call(sock, hello)
-    opened = _call(sock, Open(1, np.array([1, 2, 3], np.int32), SamplingParams(), 4))
-    if not isinstance(opened, Opened):
-        raise RuntimeError(f"hub refused OPEN: {opened}")
-    protocol.decode(sock.recv_multipart(copy=False))  # PROPOSAL seq 0
-    return opened.tag
 
 
 # ---------------------------------------------------------------------- link time
@@ -224,7 +189,7 @@ async def _link_round_ms(hub_ep: str, hello: Hello, think_s: float, rounds: int)
     ctx = zmq.asyncio.Context()
     hub = _dealer(ctx, hub_ep)
     try:
-        tag = await _aopen(hub, hello)
+        tag = await _open(hub, hello, _acall)
         times = []
         for seq in range(1, rounds + 1):
             await asyncio.sleep(think_s)
