@@ -13,7 +13,7 @@ the hub's busy fraction over the measured window (from STATS replies).
 After the warm-up, calibration slices alternate with the measured window's slices (so this
 machine's drifting speed hits both alike): the hub's draft service time S(d) and the emulated
 verify time measured in the calibration slices, at the same N but outside the window, are the
-inputs from which the benchmark predicts the window's throughput (see scripts/bench.py).
+inputs from which the benchmark predicts the window's throughput (scripts/bench_scale.py).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def schedule(start: float, cfg: EmulationConfig) -> list[float]:
 
 @dataclass
 class TargetRecord:
-    """What one emulated target measured inside the window (and its verify time before it)."""
+    """What one emulated target measured inside the window (and in the calibration slices)."""
 
     tokens: int = 0
     rounds: int = 0
@@ -119,35 +119,35 @@ def accepted_count(rng: random.Random, alpha: float, gamma: int) -> int:
 
 
 async def run_target(
-    client: HubClient, cfg: EmulationConfig, index: int, window: Phases, record: TargetRecord,
+    client: HubClient, cfg: EmulationConfig, index: int, phases: Phases, record: TargetRecord,
 ) -> None:  # fmt: skip
-    """One emulated target: sequences back to back until the window closes."""
+    """One emulated target: sequences back to back until the last slice ends."""
     rng = random.Random(cfg.seed * 100_003 + index)
     vocab = client.info.vocab_size
-    while time.perf_counter() < window.finish:
+    while time.perf_counter() < phases.finish:
         prompt = [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
         tag, inbox = await client.open(prompt, SamplingParams(), cfg.gamma)
-        await _one_sequence(client, cfg, rng, tag, inbox, window, record)
+        await _one_sequence(client, cfg, rng, tag, inbox, phases, record)
         await client.close_session(tag)
 
 
 async def _one_sequence(
     client: HubClient, cfg: EmulationConfig, rng: random.Random, tag: bytes,
-    inbox: asyncio.Queue[protocol.Message], window: Phases, record: TargetRecord,
+    inbox: asyncio.Queue[protocol.Message], phases: Phases, record: TargetRecord,
 ) -> None:  # fmt: skip
     seq, generated, asked = 0, 0, time.perf_counter()
-    while generated < cfg.max_new_tokens and time.perf_counter() < window.finish:
+    while generated < cfg.max_new_tokens and time.perf_counter() < phases.finish:
         msg = await inbox.get()
         if not isinstance(msg, Proposal):
             raise RuntimeError(f"hub: {msg}")
         if not record.had_proposal:
             record.had_proposal = True
-            window.first_proposals += 1
+            phases.first_proposals += 1
         verify_started = time.perf_counter()
         await asyncio.sleep(cfg.verify_ms / 1e3)
         accepted = accepted_count(rng, cfg.alpha, len(msg.tokens))
         now = time.perf_counter()
-        kind = window.kind(now)  # by when the round ends; rounds after the end do not count
+        kind = phases.kind(now)  # by when the round ends; rounds after the end do not count
         if kind == "window":
             _record_round(record, msg, accepted, now - asked)
             record.verify_s += now - verify_started  # the timer overshoots the nominal time
@@ -176,12 +176,12 @@ async def emulate(cfg: EmulationConfig) -> dict:
     clients = [HubClient(ctx, cfg.hub, target_info(cfg)) for _ in range(cfg.targets)]
     try:
         await asyncio.gather(*(c.connect() for c in clients))
-        window, records = Phases(), [TargetRecord() for _ in clients]
-        tasks = [asyncio.create_task(run_target(c, cfg, i, window, records[i]))
+        phases, records = Phases(), [TargetRecord() for _ in clients]
+        tasks = [asyncio.create_task(run_target(c, cfg, i, phases, records[i]))
                  for i, c in enumerate(clients)]  # fmt: skip
-        await _warm_up(cfg, window, tasks)
+        await _warm_up(cfg, phases, tasks)
         snapshots = []
-        for bound in window.bounds:
+        for bound in phases.bounds:
             await asyncio.sleep(max(0.0, bound - time.perf_counter()))
             snapshots.append(await clients[0].stats())
         await asyncio.gather(*tasks)
@@ -203,18 +203,18 @@ def target_info(cfg: EmulationConfig) -> TargetInfo:
     return TargetInfo("emulated", info.vocab_size, info.tokenizer_fingerprint)
 
 
-async def _warm_up(cfg: EmulationConfig, window: Phases, tasks: list[asyncio.Task]) -> None:
+async def _warm_up(cfg: EmulationConfig, phases: Phases, tasks: list[asyncio.Task]) -> None:
     """Wait ``cfg.warmup`` and until every target has had a proposal, then set the phases."""
     started = time.perf_counter()
-    while window.first_proposals < cfg.targets or time.perf_counter() - started < cfg.warmup:
+    while phases.first_proposals < cfg.targets or time.perf_counter() - started < cfg.warmup:
         failed = next((t for t in tasks if t.done()), None)
         if failed is not None:
             failed.result()  # its error; a target never ends before the window does
         if time.perf_counter() - started > cfg.warmup + WARMUP_LIMIT_S:
-            raise RuntimeError(f"{window.first_proposals} of {cfg.targets} targets had a "
+            raise RuntimeError(f"{phases.first_proposals} of {cfg.targets} targets had a "
                                f"proposal after {WARMUP_LIMIT_S:.0f} s")  # fmt: skip
         await asyncio.sleep(0.01)
-    window.bounds = schedule(time.perf_counter(), cfg)
+    phases.bounds = schedule(time.perf_counter(), cfg)
 
 
 Span = tuple[Stats, Stats]
