@@ -30,7 +30,8 @@ from harness import REPO, Processes, start_hub, start_hubs, stop
 from edge.client import HubClient, TargetInfo
 from edge.verifier import TargetSequence
 from starsd import analytic, models, transport
-from starsd.drafter import Drafter, DraftJob
+from starsd.hub.drafters.base import DraftJob, Proposer
+from starsd.hub.drafters.llm import LlmProposer
 from starsd.protocol import SamplingParams, Stats
 from starsd.stats import latency_summary
 
@@ -57,7 +58,7 @@ def bench_standalone(target: models.LoadedModel, cfg: BenchConfig) -> tuple[dict
                       latency_ms=latency_summary(lat)), seconds / tokens  # fmt: skip
 
 
-def bench_centralized(target: models.LoadedModel, drafter: Drafter, cfg: BenchConfig
+def bench_centralized(target: models.LoadedModel, drafter: Proposer, cfg: BenchConfig
                       ) -> tuple[dict, dict[str, float]]:  # fmt: skip
     """Draft and target in one process; also measures S(d) and the verify time per round.
 
@@ -102,13 +103,13 @@ def _features(seq: TargetSequence, start: int, eagle: bool) -> Any:
     return seq.features(start, seq.committed - 1) if eagle else None
 
 
-def eagle_drafter(cfg: BenchConfig) -> Drafter:
+def eagle_drafter(cfg: BenchConfig) -> Proposer:
     """The hub's EAGLE drafter for the benchmark's target, built as the hub builds it."""
     from starsd import eagle
-    from starsd.eagle_drafter import EagleDrafter
+    from starsd.hub.drafters.eagle import EagleProposer
 
     head = eagle.load_eagle_head(cfg.eagle, cfg.target)
-    return EagleDrafter(head, models.load_tokenizer_info(cfg.target).max_positions)
+    return EagleProposer(head, models.load_tokenizer_info(cfg.target).max_positions)
 
 
 # ---------------------------------------------------------------------- multi-process modes
@@ -200,7 +201,7 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     target, draft = models.load_causal_lm(cfg.target), models.load_causal_lm(cfg.draft)
     print("[main] standalone and centralized (in process) ...", flush=True)
     standalone, t_ar = bench_standalone(target, cfg)
-    central, measured = bench_centralized(target, Drafter(draft), cfg)
+    central, measured = bench_centralized(target, LlmProposer(draft), cfg)
     central_eagle, measured_eagle = bench_centralized(target, eagle_drafter(cfg), cfg)
     info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint,
                       models.hidden_size(target))  # fmt: skip

@@ -48,7 +48,11 @@ class TargetStats:
 
 @dataclass
 class HubStats:
-    """Hub-wide figures: drafting busy time against wall time since start."""
+    """Hub-wide figures: drafting busy time against wall time since start.
+
+    Shared by the event loop and the drafting thread: every field is read and written under the
+    hub's lock.
+    """
 
     started: float = field(default_factory=time.perf_counter)
     busy_s: float = 0.0  # completed batches (drafted and delivered), wall time
@@ -61,6 +65,14 @@ class HubStats:
     sessions_expired: int = 0  # freed because their target's lease ran out
     sessions_dropped: int = 0  # freed because their proposal could not be delivered
     unauthenticated: int = 0  # messages refused for a key not (or no longer) allowed
+
+    def record_batch(self, jobs: int, busy_s: float, busy_cpu_s: float) -> None:
+        """A batch was drafted and delivered in ``busy_s`` wall (``busy_cpu_s`` CPU) seconds."""
+        self.batch_started = None
+        self.busy_s += busy_s
+        self.busy_cpu_s += busy_cpu_s
+        self.batches += 1
+        self.jobs += jobs
 
     def busy_now(self) -> float:
         """Busy seconds so far, counting the batch in progress up to now."""

@@ -21,7 +21,7 @@ import zmq.asyncio
 from tiny_models import build_pair
 
 from starsd import hub as hub_module
-from starsd import hub_main, models, protocol, transport
+from starsd import models, protocol, transport
 from starsd.protocol import Hello, Open, Opened, Proposal, SamplingParams, Welcome
 
 torch.set_num_threads(1)
@@ -68,7 +68,7 @@ class RunningHub:
 async def running_hub(llama_pair: tuple[Path, Path]) -> AsyncIterator[RunningHub]:
     config = hub_module.HubConfig(model=str(llama_pair[1]), bind="tcp://127.0.0.1:*",
                                   stats_interval=3600)  # fmt: skip
-    hub = hub_main.build_hub(config)
+    hub = hub_module.build_hub(config)
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))
     while not hub.endpoint:

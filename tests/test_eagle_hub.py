@@ -15,8 +15,8 @@ from test_eagle import eagle_state, write_head
 
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
-from starsd import hub_main, models, protocol, sampling
-from starsd.drafter import DraftJob
+from starsd import models, protocol, sampling
+from starsd.hub.drafters.base import DraftJob
 from starsd.protocol import Draft, Error, ErrorCode, Hello, Open, Opened, SamplingParams, Welcome
 
 
@@ -30,7 +30,7 @@ def head_dir(llama_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
 def eagle_hub(llama_pair: tuple[Path, Path], head_dir: Path) -> hub_module.Hub:
     config = hub_module.HubConfig(model=str(head_dir), draft_kind="eagle",
                                   target=str(llama_pair[0]))  # fmt: skip
-    return hub_main.build_hub(config)
+    return hub_module.build_hub(config)
 
 
 def _hello(target: models.LoadedModel, width: int) -> list:
@@ -75,11 +75,11 @@ def test_bad_features_get_an_error_and_change_nothing(
 
 
 def _eagle_rounds(hub: hub_module.Hub, seq: TargetSequence, gamma: int) -> None:
-    """Speculate in process with the hub's EAGLE drafter, exactly as over the wire."""
-    state = hub.drafter.new_state(list(seq.prompt), seq.params, gamma)
+    """Speculate in process with the hub's EAGLE proposer, exactly as over the wire."""
+    state = hub.proposer.new_state(list(seq.prompt), seq.params, gamma)
     job = DraftJob(b"t", 0, state, 0, (), features=seq.features(0, len(seq.prompt) - 1))
     while not seq.done:
-        (proposal,) = hub.drafter.propose([job])
+        (proposal,) = hub.proposer.propose([job])
         assert not isinstance(proposal, Error), proposal
         synced = seq.committed
         q = None

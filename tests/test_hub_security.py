@@ -14,7 +14,7 @@ from conftest import PROMPT, RawTarget, RunningHub
 
 from edge.client import HubClient, HubUnavailable, TargetInfo
 from starsd import hub as hub_module
-from starsd import hub_main, models, protocol, security, transport
+from starsd import models, protocol, security, transport
 from starsd.protocol import Draft, Open, Opened, Ping, Proposal, SamplingParams
 
 
@@ -34,7 +34,7 @@ async def curve_hub(keys: Path, llama_pair: tuple[Path, Path]) -> AsyncIterator[
     config = hub_module.HubConfig(model=str(llama_pair[1]), bind="tcp://127.0.0.1:*",
                                   curve_secret=str(keys / "keys" / "hub.key_secret"),
                                   allow_dir=str(keys / "allow"), stats_interval=3600)  # fmt: skip
-    hub = hub_main.build_hub(config)
+    hub = hub_module.build_hub(config)
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))
     while not hub.endpoint:
@@ -131,7 +131,7 @@ async def test_a_spoofed_routing_id_cannot_receive_another_targets_proposals(
     victim = raw()
     await victim.hello(llama_target)
     tag, _ = await victim.open()
-    victim_id = next(iter(running_hub.hub.peers))
+    victim_id = next(iter(running_hub.hub.table.peers))
     spoof_ctx = zmq.asyncio.Context()
     spoof = spoof_ctx.socket(zmq.DEALER)
     spoof.setsockopt(zmq.LINGER, 0)

@@ -22,7 +22,8 @@ from edge.client import HubClient, TargetInfo
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
-from starsd import hub_main, models, protocol, transport
+from starsd import models, protocol, transport
+from starsd.hub.scheduler import FairQueue
 from starsd.protocol import (
     Close,
     Draft,
@@ -38,7 +39,6 @@ from starsd.protocol import (
     StatsRequest,
     Welcome,
 )
-from starsd.scheduler import FairQueue
 
 # ---------------------------------------------------------------------- duplicates and order
 
@@ -104,12 +104,15 @@ async def test_a_silent_target_loses_its_sessions_after_its_lease(
         await t.hello(llama_target)
     silent_tag, _ = await silent.open()
     talking_tag, _ = await talking.open(ref=2)
-    lease = hub_module.LEASE_INTERVALS * hub.config.heartbeat_s
-    assert hub.expire_leases(hub.peers[_routing_id(hub, talking_tag)].last_seen + 0.1) == 0
-    later = max(p.last_seen for p in hub.peers.values()) + lease + 0.01
+    lease = protocol.LIVENESS_INTERVALS * hub.config.heartbeat_s
+    talking_peer = hub.table.peers[_routing_id(hub, talking_tag)]
+    hub.table.clock = lambda: talking_peer.last_seen + 0.1
+    assert hub.expire_leases() == 0
+    later = max(p.last_seen for p in hub.table.peers.values()) + lease + 0.01
     await talking.ask(Ping(1))  # renews the talking target's lease only
-    hub.peers[_routing_id(hub, talking_tag)].last_seen = later
-    assert hub.expire_leases(later) == 1
+    hub.table.clock = lambda: later
+    talking_peer.last_seen = later
+    assert hub.expire_leases() == 1
     assert silent_tag not in hub.sessions and talking_tag in hub.sessions
     reply = await silent.ask(Draft(silent_tag, 1, 0, PROMPT[:1]))
     assert isinstance(reply, Error) and reply.code == ErrorCode.NOT_WELCOMED
@@ -123,7 +126,7 @@ async def test_per_target_session_quota(
     llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
 ) -> None:
     config = hub_module.HubConfig(model=str(llama_pair[1]), max_sessions_per_target=2)
-    hub = hub_main.build_hub(config)
+    hub = hub_module.build_hub(config)
     hello = Hello("t", llama_target.vocab_size, llama_target.tokenizer_fingerprint)
     hub.handle(b"A", protocol.encode(hello))
     hub.handle(b"B", protocol.encode(hello))
@@ -141,7 +144,7 @@ async def test_draining_refuses_new_work_and_says_why(
     target = raw()
     await target.hello(llama_target)
     tag, _ = await target.open()
-    running_hub.hub.draining = True
+    running_hub.hub.table.draining = True
     for msg in (Open(5, PROMPT, SamplingParams(), 4), Draft(tag, 1, 0, PROMPT[:1])):
         reply = await target.ask(msg)
         assert isinstance(reply, Error) and reply.code == ErrorCode.SHUTTING_DOWN
@@ -225,12 +228,12 @@ def _assert_sane(hub: hub_module.Hub, replies: list[protocol.Message]) -> None:
     for reply in replies:
         assert not (isinstance(reply, Error) and reply.code == ErrorCode.INTERNAL), reply
         protocol.decode(protocol.encode(reply))  # every reply is itself a valid message
-    assert len(hub.peers) <= 1 and len(hub.sessions) <= hub.config.max_sessions_per_target
+    assert len(hub.table.peers) <= 1 and len(hub.sessions) <= hub.config.max_sessions_per_target
 
 
 @pytest.fixture(scope="module")
 def fuzz_hub(llama_pair: tuple[Path, Path]) -> hub_module.Hub:
-    return hub_main.build_hub(hub_module.HubConfig(model=str(llama_pair[1])))
+    return hub_module.build_hub(hub_module.HubConfig(model=str(llama_pair[1])))
 
 
 def test_fuzz_mutated_messages(fuzz_hub: hub_module.Hub, llama_target: models.LoadedModel) -> None:

@@ -1,4 +1,4 @@
-"""The EAGLE drafter (``--draft-kind eagle``): chain drafting from the target's own features.
+"""The EAGLE proposer (``--draft-kind eagle``): chain drafting from the target's own features.
 
 Per session the hub keeps the committed tokens and the head's KV cache. The cache's first
 ``real_pairs`` positions hold pairs (f_j, x_{j+1}) fed with the target's features f_j (sent with
@@ -9,14 +9,36 @@ the feature of the last committed token, whose draft logits give the first draft
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from starsd import eagle, sampling
-from starsd.drafter import Drafter, DraftJob, DraftState, draw, make_proposal
-from starsd.protocol import Error, ErrorCode, Proposal, SamplingParams
+from starsd import eagle
+from starsd.hub.drafters.base import (
+    ChainState,
+    DraftJob,
+    commit_verdict,
+    context_full,
+    draw,
+    fitting_gamma,
+    make_proposal,
+    new_chain_state,
+    propose_each,
+)
+from starsd.protocol import Error, Proposal, SamplingParams
 
 
-class EagleDrafter(Drafter):
+@dataclass
+class EagleState(ChainState):
+    """A session of the EAGLE head: the chain state, the head's cache and its last prediction."""
+
+    cache: Any = None  # the head's KV cache: real pairs first, then chained guesses
+    real_pairs: int = 0  # leading cache positions fed with the target's own features
+    last_feature: torch.Tensor | None = None  # [H] the head's prediction at the last real pair
+
+
+class EagleProposer:
     """Drafts with an EAGLE-1 head on the target's embedding and LM head."""
 
     kind = "eagle"
@@ -26,29 +48,30 @@ class EagleDrafter(Drafter):
         self.max_positions = max_positions
         self.feature_width = head.config.hidden_size
 
-    def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> DraftState:
-        """Draft state for a new session; the prompt's features come with its first job."""
-        return DraftState(tokens=list(prompt), params=params, gamma=gamma,
-                          generator=sampling.make_generator(params.seed),
-                          cache=self.head.new_cache())  # fmt: skip
+    def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> EagleState:
+        """A session's state; the prompt's features come with its first job."""
+        chain = new_chain_state(prompt, params, gamma)
+        return EagleState(**vars(chain), cache=self.head.new_cache())
 
-    def _draft(self, job: DraftJob) -> Proposal | Error:
+    def propose(self, jobs: list[DraftJob[EagleState]]) -> list[Proposal | Error]:
+        """Apply each job's verdict and features, then draft its next proposal."""
+        return propose_each(jobs, self._draft)
+
+    def _draft(self, job: DraftJob[EagleState]) -> Proposal | Error:
         state = job.state
-        state.tokens.extend(state.proposed[: job.accepted])
-        state.tokens.extend(job.appended)
-        state.proposed = []
+        commit_verdict(state, job.accepted, job.appended)
         state.cache.crop(state.real_pairs)
         feature = self._feed(state, job)  # [H] predicted feature of the last token, or None
-        gamma = self._fitting_gamma(state)
+        gamma = fitting_gamma(state, self.max_positions)
         if gamma < 1:
-            return Error(ErrorCode.CONTEXT_FULL, "draft context is full", tag=job.tag, seq=job.seq)
+            return context_full(job)
         if feature is None:  # a one-token prompt: nothing to extrapolate from yet
             return make_proposal(job, [], [], state.params)
         tokens, q_rows = self._chain(state, feature, gamma)
         state.proposed = tokens
         return make_proposal(job, tokens, q_rows, state.params)
 
-    def _feed(self, state: DraftState, job: DraftJob) -> torch.Tensor | None:
+    def _feed(self, state: EagleState, job: DraftJob[EagleState]) -> torch.Tensor | None:
         """Feed the new real pairs; the head's prediction at the last one."""
         n = 0 if job.features is None else len(job.features)
         if n == 0:
@@ -62,7 +85,7 @@ class EagleDrafter(Drafter):
         return out[-1]
 
     def _chain(
-        self, state: DraftState, feature: torch.Tensor, gamma: int
+        self, state: EagleState, feature: torch.Tensor, gamma: int
     ) -> tuple[list[int], list[torch.Tensor]]:
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []

@@ -1,0 +1,63 @@
+"""Assemble a hub: load the proposer the configuration asks for and the WELCOME it announces."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from pathlib import Path
+
+from starsd import models, protocol
+from starsd.hub.config import HubConfig
+from starsd.hub.drafters.base import Proposer
+from starsd.hub.server import Hub
+from starsd.protocol import Welcome
+
+log = logging.getLogger("starsd.hub")
+
+
+def build_hub(config: HubConfig) -> Hub:
+    """Load the proposer and assemble a hub (no sockets yet)."""
+    import torch
+
+    torch.set_num_threads(config.threads)
+    proposer, info = load_proposer(config)
+    welcome = Welcome(
+        model=Path(config.model).name or config.model,
+        vocab_size=info.vocab_size,
+        tokenizer=info.tokenizer_fingerprint,
+        epoch=secrets.token_bytes(protocol.EPOCH_BYTES),
+        default_gamma=config.gamma,
+        max_gamma=config.max_gamma,
+        draft_kind=config.draft_kind,
+        heartbeat_ms=int(1000 * config.heartbeat_s),
+        feature_width=proposer.feature_width,
+    )
+    return Hub(config, proposer, welcome)
+
+
+def load_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
+    """The proposer of ``config.draft_kind`` and the tokenizer it drafts in."""
+    if config.draft_kind == "eagle":
+        return _eagle_proposer(config)
+    draft = models.load_causal_lm(config.model, config.device, config.dtype)
+    info = models.TokenizerInfo(draft.name, draft.vocab_size, draft.tokenizer_fingerprint,
+                                draft.max_positions)  # fmt: skip
+    if config.draft_kind == "null":
+        from starsd.hub.drafters.null import NullProposer
+
+        return NullProposer(), info
+    from starsd.hub.drafters.llm import LlmProposer
+
+    return LlmProposer(draft), info
+
+
+def _eagle_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
+    from starsd import eagle
+    from starsd.hub.drafters.eagle import EagleProposer
+
+    target_dir = config.target or str(models.DEFAULT_TARGET_DIR)
+    head = eagle.load_eagle_head(config.model, target_dir, config.dtype, config.device)
+    info = models.load_tokenizer_info(target_dir)
+    log.info("EAGLE head %s on target %s's embedding and LM head (width %d)", config.model,
+             info.name, head.config.hidden_size)  # fmt: skip
+    return EagleProposer(head, info.max_positions), info

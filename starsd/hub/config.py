@@ -1,0 +1,38 @@
+"""HubConfig: everything ``python -m starsd.hub`` is told, as one frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from starsd import security
+
+
+@dataclass(frozen=True)
+class HubConfig:
+    """Everything ``python -m starsd.hub`` is told."""
+
+    model: str
+    bind: str = "tcp://127.0.0.1:5555"
+    gamma: int = 4
+    max_gamma: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_sessions: int = 256
+    max_sessions_per_target: int = 64
+    threads: int = 1
+    stats_interval: float = 10.0
+    draft_kind: str = "llm"
+    target: str | None = None  # EAGLE: the target's directory (embedding, LM head, tokenizer)
+    heartbeat_s: float = 1.0
+    drain_timeout_s: float = 5.0
+    curve_secret: str | None = None
+    allow_dir: str | None = None
+    insecure: bool = False  # allow plain text on a non-loopback bind
+
+    @property
+    def curve(self) -> security.CurveServerConfig | None:
+        """The CURVE server settings, or None for plain text."""
+        if self.curve_secret is None or self.allow_dir is None:
+            return None
+        return security.CurveServerConfig(Path(self.curve_secret), Path(self.allow_dir))

@@ -1,0 +1,7 @@
+"""The hub's proposers, one module per drafting kind behind :class:`base.Proposer`.
+
+``llm`` (a separate draft LM), ``eagle`` (an EAGLE-1 head on the target's features) and ``null``
+(no model work, for overhead measurements). :mod:`starsd.hub.build` loads the one asked for.
+"""
+
+KINDS = ("eagle", "llm", "null")

@@ -1,0 +1,345 @@
+"""The hub's event-loop side: read the ROUTER, dispatch each message, keep leases, report.
+
+The event loop never runs the model. It decodes each message, applies it to the session table
+(:mod:`starsd.hub.sessions`) and puts draft jobs into the global queue Q_in (fair across targets,
+:mod:`starsd.hub.scheduler`); the drafting thread (:mod:`starsd.hub.engine`) takes them, drafts
+and sends the proposals itself.
+
+Threads: the loop runs ``on_messages``, the lease and stats timers and the drain; the drafting
+thread runs ``DraftingEngine.run``. ``Hub.lock`` guards everything they share: the session table
+(peers, sessions, per-target counters) and ``HubStats``. ``send`` is called by both, lock held.
+
+Faults: any message renews its target's lease; a target silent for ``LIVENESS_INTERVALS``
+heartbeats loses its sessions and draft state. Every reply carries the hub's random epoch, so a
+target notices a restarted hub and re-opens its sessions from its own committed tokens. SIGTERM
+drains: no new sessions, in-flight rounds are delivered, every target is told SHUTTING_DOWN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+import zmq.asyncio
+
+from starsd import protocol, security, transport
+from starsd.hub.config import HubConfig
+from starsd.hub.drafters.base import DraftJob, Proposer
+from starsd.hub.engine import DraftingEngine
+from starsd.hub.scheduler import FairQueue
+from starsd.hub.sessions import Limits, Peer, Refused, Session, SessionTable
+from starsd.protocol import (
+    Close,
+    Draft,
+    Error,
+    ErrorCode,
+    Hello,
+    Open,
+    Opened,
+    Ping,
+    Pong,
+    Proposal,
+    ProtocolError,
+    Stats,
+    StatsRequest,
+    Welcome,
+)
+from starsd.stats import HubStats
+
+log = logging.getLogger("starsd.hub")
+
+_STAMPED = (Opened, Proposal, Pong, Error, Stats)  # hub replies that carry the epoch
+
+
+def limits_of(config: HubConfig, welcome: Welcome, max_positions: int | None) -> Limits:
+    """The session table's limits from the hub's configuration and what it announces."""
+    return Limits(
+        max_sessions=config.max_sessions,
+        max_sessions_per_target=config.max_sessions_per_target,
+        default_gamma=config.gamma,
+        max_gamma=config.max_gamma,
+        lease_s=protocol.LIVENESS_INTERVALS * config.heartbeat_s,
+        vocab_size=welcome.vocab_size,
+        max_positions=max_positions,
+        feature_width=welcome.feature_width,
+        feature_dtype=welcome.feature_dtype,
+    )
+
+
+class Hub:
+    """The event loop's side of the hub; see the module docstring."""
+
+    def __init__(self, config: HubConfig, proposer: Proposer, welcome: Welcome) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.welcome = welcome
+        self.epoch = welcome.epoch
+        self.lock = threading.Lock()  # guards table and stats: event loop vs drafting thread
+        self.table = SessionTable(limits_of(config, welcome, proposer.max_positions))
+        self.stats = HubStats()
+        self.q_in: FairQueue[DraftJob] = FairQueue()
+        self.engine = DraftingEngine(proposer, self.q_in, self.table, self.lock, self.send,
+                                     self.stats)  # fmt: skip
+        self.router: transport.Router | None = None  # set while serving
+        self.stopping = asyncio.Event()
+        self.allow: security.AllowList | None = None
+        self.endpoint = ""
+
+    @property
+    def sessions(self) -> dict[bytes, Session]:
+        """Live sessions by tag (read under the lock while serving)."""
+        return self.table.sessions
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def serve(self, ctx: zmq.asyncio.Context) -> None:
+        """Bind, run until ``stop()``, drain, then shut down cleanly and log the summary."""
+        auth = self._start_security(ctx)
+        self.router = sock = transport.router(ctx, self.config.bind, self.config.curve,
+                                              int(1000 * self.config.heartbeat_s))  # fmt: skip
+        self.endpoint = sock.endpoint
+        self.engine.start()
+        self._log_start()
+        sock.start(self.on_messages)
+        tasks = [asyncio.create_task(c) for c in (self._stats_loop(), self._lease_loop())]
+        try:
+            await self.stopping.wait()
+            await self._drain()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.q_in.close()
+            await asyncio.to_thread(self.engine.thread.join)
+            sock.close()
+            if auth is not None:
+                auth.stop()
+            self._log_summary()
+
+    def stop(self) -> None:
+        """Ask ``serve`` to drain and finish (safe from signal handlers on the loop)."""
+        self.stopping.set()
+
+    def _start_security(self, ctx: zmq.asyncio.Context) -> security.CurveAuthenticator | None:
+        curve = self.config.curve
+        if curve is None:
+            security.check_plaintext_endpoint(self.config.bind,
+                                              allow_insecure=self.config.insecure)  # fmt: skip
+            return None
+        self.allow = security.AllowList(curve.allow_dir)
+        return security.start_authenticator(ctx, self.allow)
+
+    def _log_start(self) -> None:
+        mode = (f"CURVE, {len(self.allow)} allowed target keys" if self.allow is not None
+                else "plain text, NOT encrypted or authenticated")  # fmt: skip
+        log.info("hub listening on %s (%s; draft %s, epoch %s)", self.endpoint, mode,
+                 self.welcome.model, self.epoch.hex())  # fmt: skip
+
+    async def _drain(self) -> None:
+        """Admit nothing new, deliver what is in flight, then tell every target we are going."""
+        with self.lock:
+            self.table.draining = True
+            log.info("draining: %d rounds in flight, %d sessions, timeout %.1f s",
+                     self.table.in_flight(), len(self.table.sessions),
+                     self.config.drain_timeout_s)  # fmt: skip
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self._in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        with self.lock:
+            for peer in self.table.peers.values():
+                self.send(peer.routing_id, Error(ErrorCode.SHUTTING_DOWN, "hub is stopping"))
+        await asyncio.sleep(0.05)  # let the I/O thread flush the notices (LINGER is 0)
+
+    def _in_flight(self) -> int:
+        with self.lock:
+            return self.table.in_flight()
+
+    # ------------------------------------------------------------------ event loop entry points
+
+    def on_messages(self, received_batch: list[transport.Received]) -> None:
+        """The ROUTER reader's callback: handle each message and send its replies."""
+        if self.allow is not None:
+            self.allow.maybe_reload()
+        for received in received_batch:
+            with self.lock:  # per message: the drafting thread's deliveries wait one at most
+                self.stats.messages += 1
+                for reply in self.handle(received.peer, received.frames, received.user_id):
+                    self.send(received.peer, reply)
+
+    async def _stats_loop(self) -> None:
+        reported = 0
+        while True:
+            await asyncio.sleep(self.config.stats_interval)
+            with self.lock:
+                jobs = self.stats.jobs
+            if jobs != reported:  # only when something happened since the last line
+                reported = jobs
+                self._log_stats()
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            self.expire_leases()
+
+    def expire_leases(self) -> int:
+        """Forget every target silent for longer than its lease; returns how many."""
+        with self.lock:
+            dead = self.table.expired()
+            for peer in dead:
+                freed = self.table.forget(peer)
+                self.stats.sessions_expired += freed
+                log.info("target %s silent for %.1f s: lease expired, freed %d sessions",
+                         peer.stats.name, self.table.clock() - peer.last_seen, freed)  # fmt: skip
+        return len(dead)
+
+    # ------------------------------------------------------------------ replies (either thread)
+
+    def send(self, routing_id: bytes, msg: protocol.Message) -> bool:
+        """Send one reply, stamped with the epoch; False if it cannot be delivered.
+
+        Called by the event loop and by the drafting thread, always with ``lock`` held.
+        """
+        if isinstance(msg, Error):
+            self.stats.errors_sent += msg.code != ErrorCode.SHUTTING_DOWN  # notices aren't errors
+            log.info("-> %s ERROR %s: %s", routing_id.hex()[:10], msg.code, msg.message)
+        if isinstance(msg, _STAMPED):
+            msg = dataclasses.replace(msg, epoch=self.epoch)
+        assert self.router is not None, "sending needs serve()"
+        return self.router.send(routing_id, msg)
+
+    # ------------------------------------------------------------------ dispatch (lock held)
+
+    def handle(
+        self, routing_id: bytes, frames: list, user_id: str | None = None
+    ) -> list[protocol.Message]:
+        """Decode one message and act on it; returns the immediate replies. While serving,
+        the caller holds ``self.lock``.
+
+        ``user_id`` is the CURVE key of the sender (None in plain text). Nothing is allocated
+        for a sender until its HELLO is accepted.
+        """
+        peer = self.table.peers.get(routing_id)
+        try:
+            self._authenticate(routing_id, user_id)
+            msg = protocol.decode(frames)
+            if peer is not None:
+                self.table.seen(peer)
+            return self._dispatch(routing_id, user_id, peer, msg)
+        except ProtocolError as exc:
+            return [self._refusal(peer, exc)]
+        except Exception as exc:  # a bug must cost one reply, never the receive loop
+            log.exception("internal error handling a message from %s", routing_id.hex())
+            return [Error(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")]
+
+    def _refusal(self, peer: Peer | None, exc: ProtocolError) -> Error:
+        if peer is not None:
+            peer.stats.errors += 1
+        if not isinstance(exc, Refused):
+            return Error(exc.code, exc.message)
+        if exc.code == ErrorCode.FORBIDDEN and peer is not None:
+            log.warning("target %s named a session it does not own", peer.stats.name)
+        return Error(exc.code, exc.message, ref=exc.ref, tag=exc.tag, seq=exc.seq)
+
+    def _authenticate(self, routing_id: bytes, user_id: str | None) -> None:
+        if self.allow is None or self.allow.is_allowed(user_id):
+            return
+        self.stats.unauthenticated += 1
+        peer = self.table.peers.get(routing_id)
+        if peer is not None:  # revoked while connected: its state goes at once
+            log.warning("target %s: key no longer allowed, freed %d sessions", peer.stats.name,
+                        self.table.forget(peer))  # fmt: skip
+        raise ProtocolError(ErrorCode.UNAUTHENTICATED, "this key is not allowed on this hub")
+
+    def _dispatch(
+        self, routing_id: bytes, user_id: str | None, peer: Peer | None, msg: protocol.Message
+    ) -> list[protocol.Message]:
+        match msg:
+            case Hello():
+                return [self._hello(routing_id, user_id, msg)]
+            case Ping(nonce=nonce):
+                return [Pong(nonce)]
+            case StatsRequest(nonce=nonce):
+                return [self.snapshot(nonce)]
+            case Pong():
+                return []
+            case Error(code=code, message=text):
+                log.info("<- %s ERROR %s: %s", routing_id.hex()[:10], code, text)
+                return []
+        if peer is None:
+            raise ProtocolError(ErrorCode.NOT_WELCOMED, "send HELLO before anything else")
+        return self._session_message(peer, msg)
+
+    def _session_message(self, peer: Peer, msg: protocol.Message) -> list[protocol.Message]:
+        match msg:
+            case Open():
+                session = self.table.open(peer, msg, self.proposer.new_state)
+                self._enqueue(session, 0, 0, (), msg.features)
+                return [Opened(ref=msg.ref, tag=session.tag)]
+            case Draft():
+                session = self.table.draft(peer, msg)
+                appended = tuple(msg.appended.tolist())
+                self._enqueue(session, msg.seq, msg.accepted, appended, msg.features)
+                return []
+            case Close(tag=tag):
+                self.table.close(peer, tag)
+                return []
+        raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a hub")
+
+    def _hello(self, routing_id: bytes, user_id: str | None, msg: Hello) -> Welcome | Error:
+        if msg.version != protocol.PROTOCOL_VERSION:
+            raise ProtocolError(
+                ErrorCode.VERSION_MISMATCH,
+                f"target speaks protocol {msg.version}, hub {protocol.PROTOCOL_VERSION}",
+            )
+        differences = protocol.compatibility_problems(self.welcome, msg)
+        if differences:
+            log.warning("refused target %s (%s): %s", routing_id.hex(), msg.model, differences)
+            return Error(ErrorCode.INCOMPATIBLE, f"target refused: {differences}")
+        key = user_id.encode() if user_id is not None else routing_id
+        name = self._peer_name(routing_id, user_id, msg.model)
+        if self.table.welcome(routing_id, key, name) is not None:
+            log.info("target %s connected (vocab %d)", name, msg.vocab_size)
+        return self.welcome
+
+    def _peer_name(self, routing_id: bytes, user_id: str | None, model: str) -> str:
+        key_name = self.allow.name_of(user_id) if self.allow is not None else None
+        return f"{routing_id.hex()}/{key_name or model}"
+
+    def _enqueue(self, session: Session, seq: int, accepted: int, appended: tuple[int, ...],
+                 features: np.ndarray | None) -> None:  # fmt: skip
+        job = DraftJob(session.tag, seq, session.state, accepted, appended, features=features)
+        self.q_in.put(session.owner, job)
+
+    # ------------------------------------------------------------------ reporting
+
+    def snapshot(self, nonce: int = 0) -> Stats:
+        """Hub-wide counters since start, as sent in reply to STATS_REQUEST (lock held)."""
+        peers = [p.stats for p in self.table.peers.values()]
+        return Stats(
+            nonce=nonce,
+            wall_s=time.perf_counter() - self.stats.started,
+            busy_s=self.stats.busy_now(),
+            jobs=self.stats.jobs,
+            batches=self.stats.batches,
+            sessions=len(self.table.sessions),
+            targets=len(self.table.peers),
+            rounds=sum(s.rounds for s in peers),
+            proposed=sum(s.proposed for s in peers),
+            accepted=sum(s.accepted for s in peers),
+            queue_wait_s=sum(s.queue_wait_s for s in peers),
+        )
+
+    def _log_stats(self) -> None:
+        with self.lock:
+            log.info(self.stats.line(len(self.table.sessions), len(self.table.peers)))
+            for peer in self.table.peers.values():
+                if peer.stats.jobs:
+                    log.info(peer.stats.line())
+
+    def _log_summary(self) -> None:
+        log.info("hub stopped after %.1f s; summary:", time.perf_counter() - self.stats.started)
+        self._log_stats()

@@ -1,0 +1,250 @@
+"""The hub's session table and admission rules: who is welcomed, who may open, draft and close.
+
+Pure bookkeeping: no sockets, no threads, no model, and an injectable clock, so every rule is
+unit-tested directly (tests/test_sessions.py). The hub keeps one table and calls it with its lock
+held; a session's draft ``state`` is created here by the proposer's ``new_state`` but belongs to
+the drafting thread from then on.
+
+Every check runs before anything changes: a refused request (:class:`Refused`) leaves the table
+exactly as it was, so a duplicate or replayed DRAFT is never applied twice.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from starsd import protocol
+from starsd.protocol import Draft, ErrorCode, Open, ProtocolError, SamplingParams
+from starsd.stats import TargetStats
+
+NewState = Callable[[list[int], SamplingParams, int], Any]  # a proposer's new_state
+
+
+class Refused(ProtocolError):
+    """A request the rules refuse; carries what the ERROR reply echoes (ref, or tag and seq)."""
+
+    def __init__(self, code: str, message: str, *, ref: int | None = None,
+                 tag: bytes | None = None, seq: int | None = None) -> None:  # fmt: skip
+        super().__init__(code, message)
+        self.ref, self.tag, self.seq = ref, tag, seq
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the table admits: the hub's quotas and what its drafter can read."""
+
+    max_sessions: int
+    max_sessions_per_target: int
+    default_gamma: int
+    max_gamma: int
+    lease_s: float  # a target silent this long is presumed dead
+    vocab_size: int
+    max_positions: int | None
+    feature_width: int = 0  # > 0: OPEN and DRAFT must carry features of this width...
+    feature_dtype: str = "float16"  # ...and dtype
+
+
+@dataclass
+class Peer:
+    """One welcomed target connection and the sessions bound to it."""
+
+    routing_id: bytes
+    key: bytes  # the CURVE public key when authenticated, else the routing id
+    stats: TargetStats
+    last_seen: float
+    tags: set[bytes] = field(default_factory=set)
+
+
+@dataclass
+class Session:
+    """Protocol state of one sequence; ``state`` belongs to the drafting thread."""
+
+    tag: bytes
+    owner: bytes  # Peer.key of the target that opened it
+    routing_id: bytes  # where its proposals go (the owner's current connection)
+    state: Any  # the proposer's per-session state
+    next_seq: int = 0
+    in_flight: bool = True  # a job for it is queued or being drafted
+    last_gamma: int = 0  # tokens in the proposal the next verdict refers to
+
+
+class SessionTable:
+    """Peers by routing id, sessions by tag, and the rules for changing them.
+
+    Not thread-safe by itself: the hub calls it only with its lock held.
+    """
+
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.clock = clock
+        self.peers: dict[bytes, Peer] = {}
+        self.sessions: dict[bytes, Session] = {}
+        self.draining = False  # set once: no new sessions, no new rounds
+
+    # ------------------------------------------------------------------ peers
+
+    def welcome(self, routing_id: bytes, key: bytes, name: str) -> Peer | None:
+        """Admit a connection after an accepted HELLO; returns the new peer, None if known."""
+        if routing_id in self.peers:
+            return None
+        peer = Peer(routing_id, key, TargetStats(name=name), last_seen=self.clock())
+        self.peers[routing_id] = peer
+        return peer
+
+    def seen(self, peer: Peer) -> None:
+        """Any message renews its sender's lease."""
+        peer.last_seen = self.clock()
+
+    def forget(self, peer: Peer) -> int:
+        """Drop a peer and every session bound to it; returns how many sessions went."""
+        self.peers.pop(peer.routing_id, None)
+        tags = [t for t in peer.tags if t in self.sessions]
+        for tag in tags:
+            self.drop(self.sessions[tag])
+        return len(tags)
+
+    def expired(self) -> list[Peer]:
+        """Peers silent for longer than the lease (not yet forgotten)."""
+        now = self.clock()
+        return [p for p in self.peers.values() if now - p.last_seen > self.limits.lease_s]
+
+    # ------------------------------------------------------------------ sessions
+
+    def open(self, peer: Peer, msg: Open, new_state: NewState) -> Session:
+        """A new session for ``msg`` with a fresh unguessable tag, its first job to queue."""
+        gamma = msg.gamma or self.limits.default_gamma
+        problem = self._open_problem(peer, msg, gamma)
+        if problem is not None:
+            raise Refused(*problem, ref=msg.ref)
+        tag = secrets.token_bytes(protocol.TAG_BYTES)
+        state = new_state(msg.prompt.tolist(), msg.sampling, gamma)
+        session = Session(tag=tag, owner=peer.key, routing_id=peer.routing_id, state=state)
+        self.sessions[tag] = session
+        peer.tags.add(tag)
+        peer.stats.sessions += 1
+        return session
+
+    def draft(self, peer: Peer, msg: Draft) -> Session:
+        """Accept a verdict (the next draft request) for one of ``peer``'s sessions."""
+        session = self.owned(peer, msg.tag, msg.seq)
+        problem = self._draft_problem(session, msg)
+        if problem is not None:
+            raise Refused(*problem, tag=msg.tag, seq=msg.seq)
+        peer.stats.record_verdict(session.last_gamma, msg.accepted)
+        if session.routing_id != peer.routing_id:  # the owner reconnected (same CURVE key)
+            self._move(session, peer)
+        session.in_flight = True
+        return session
+
+    def close(self, peer: Peer, tag: bytes) -> None:
+        """End one of ``peer``'s sessions."""
+        self.drop(self.owned(peer, tag, None))
+
+    def owned(self, peer: Peer, tag: bytes, seq: int | None) -> Session:
+        """The session ``tag`` if ``peer``'s key owns it; UNKNOWN_SESSION or FORBIDDEN if not."""
+        session = self.sessions.get(tag)
+        if session is None:
+            raise Refused(ErrorCode.UNKNOWN_SESSION, "no such session", tag=tag, seq=seq)
+        if session.owner != peer.key:
+            raise Refused(ErrorCode.FORBIDDEN, "session belongs to another target",
+                          tag=tag, seq=seq)  # fmt: skip
+        return session
+
+    def drop(self, session: Session) -> None:
+        """Forget a session (closed, its target gone, or its proposal undeliverable)."""
+        self.sessions.pop(session.tag, None)
+        peer = self.peers.get(session.routing_id)
+        if peer is not None:
+            peer.tags.discard(session.tag)
+
+    def delivered(self, tag: bytes, seq: int, proposed: int | None) -> Session | None:
+        """A job's result is going out; ``proposed`` is its token count, None for an error.
+
+        Returns the session, or None if it was closed while its job was drafted.
+        """
+        session = self.sessions.get(tag)
+        if session is None:
+            return None
+        session.in_flight = False
+        if proposed is not None:
+            session.next_seq = seq + 1
+            session.last_gamma = proposed
+        return session
+
+    def in_flight(self) -> int:
+        """Sessions with a job queued or being drafted."""
+        return sum(s.in_flight for s in self.sessions.values())
+
+    # ------------------------------------------------------------------ rules
+
+    def _open_problem(self, peer: Peer, msg: Open, gamma: int) -> tuple[str, str] | None:
+        limits = self.limits
+        if self.draining:
+            return ErrorCode.SHUTTING_DOWN, "hub is stopping; not opening sessions"
+        if len(self.sessions) >= limits.max_sessions:
+            return ErrorCode.RESOURCE_EXHAUSTED, "hub is at --max-sessions"
+        if len(peer.tags) >= limits.max_sessions_per_target:
+            return ErrorCode.RESOURCE_EXHAUSTED, (
+                f"this target has {len(peer.tags)} sessions (--max-sessions-per-target)")
+        if not 1 <= gamma <= limits.max_gamma:
+            return ErrorCode.INVALID_ARGUMENT, f"gamma {gamma} outside 1..{limits.max_gamma}"
+        problem = self._token_problem(msg.prompt, allow_empty=False)
+        if problem:
+            return ErrorCode.INVALID_ARGUMENT, f"prompt: {problem}"
+        return self._feature_problem(msg.features, msg.prompt.size - 1)
+
+    def _draft_problem(self, session: Session, msg: Draft) -> tuple[str, str] | None:
+        if self.draining:
+            return ErrorCode.SHUTTING_DOWN, "hub is stopping; continue without proposals"
+        if session.in_flight:
+            return ErrorCode.BUSY, "a proposal for this session is being drafted"
+        if msg.seq != session.next_seq:
+            return ErrorCode.OUT_OF_ORDER, f"expected seq {session.next_seq}, got {msg.seq}"
+        if not 0 <= msg.accepted <= session.last_gamma:
+            return ErrorCode.INVALID_ARGUMENT, (
+                f"accepted {msg.accepted} outside 0..{session.last_gamma}")
+        problem = self._token_problem(msg.appended, allow_empty=True)
+        if problem:
+            return ErrorCode.INVALID_ARGUMENT, f"appended: {problem}"
+        return self._feature_problem(msg.features, msg.accepted + msg.appended.size)
+
+    def _token_problem(self, ids: np.ndarray, allow_empty: bool) -> str | None:
+        if ids.size == 0:
+            return None if allow_empty else "empty"
+        if ids.size > max(protocol.MAX_APPENDED, self.limits.max_positions or 0):
+            return f"{ids.size} tokens is too many"
+        values = ids.tolist()  # min/max of a list: numpy reductions cost more on a few tokens
+        if min(values) < 0 or max(values) >= self.limits.vocab_size:
+            return f"token id outside 0..{self.limits.vocab_size - 1}"
+        return None
+
+    def _feature_problem(self, features: np.ndarray | None, rows: int) -> tuple[str, str] | None:
+        """Features must come exactly when the drafter uses them, with the announced shape and
+        dtype and finite values; anything else is refused before state changes."""
+        width, dtype = self.limits.feature_width, self.limits.feature_dtype
+        if not width:
+            if features is None:
+                return None
+            return ErrorCode.INVALID_ARGUMENT, "this hub does not take features"
+        if features is None:
+            return ErrorCode.INVALID_ARGUMENT, f"features [{rows}, {width}] are required"
+        if features.shape != (rows, width) or features.dtype.name != dtype:
+            return ErrorCode.INVALID_ARGUMENT, (
+                f"features must be [{rows}, {width}] {dtype}, got "
+                f"{list(features.shape)} {features.dtype.name}")  # fmt: skip
+        if not np.isfinite(features).all():
+            return ErrorCode.INVALID_ARGUMENT, "features contain NaN or infinity"
+        return None
+
+    def _move(self, session: Session, peer: Peer) -> None:
+        old = self.peers.get(session.routing_id)
+        if old is not None:
+            old.tags.discard(session.tag)
+        session.routing_id = peer.routing_id
+        peer.tags.add(session.tag)
