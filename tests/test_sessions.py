@@ -1,0 +1,185 @@
+"""The hub's session table and admission rules, without sockets, threads or a model.
+
+Each test names the bug it catches. The clock is injected, so leases are tested exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from starsd.hub.sessions import Limits, Peer, Refused, SessionTable
+from starsd.protocol import Draft, ErrorCode, Open, SamplingParams
+
+PROMPT = np.array([5, 17, 33, 8], dtype=np.int32)
+LIMITS = Limits(max_sessions=3, max_sessions_per_target=2, default_gamma=4, max_gamma=8,
+                lease_s=3.0, vocab_size=100, max_positions=64)  # fmt: skip
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _table(limits: Limits = LIMITS) -> tuple[SessionTable, Clock]:
+    clock = Clock()
+    return SessionTable(limits, clock), clock
+
+
+def _state(prompt: list[int], params: SamplingParams, gamma: int) -> dict:
+    return {"prompt": prompt, "gamma": gamma}
+
+
+def _peer(table: SessionTable, rid: bytes, key: bytes | None = None) -> Peer:
+    peer = table.welcome(rid, key or rid, rid.hex())
+    assert peer is not None
+    return peer
+
+
+def _open(table: SessionTable, peer: Peer, prompt: np.ndarray = PROMPT, gamma: int = 0,
+          features: np.ndarray | None = None) -> bytes:  # fmt: skip
+    msg = Open(1, prompt, SamplingParams(), gamma, features=features)
+    return table.open(peer, msg, _state).tag
+
+
+def _refused(code: str, call, *args) -> Refused:
+    with pytest.raises(Refused) as info:
+        call(*args)
+    assert info.value.code == code, info.value
+    return info.value
+
+
+def _snapshot(table: SessionTable) -> tuple:
+    sessions = {t: copy.copy(vars(s)) for t, s in table.sessions.items()}
+    return sessions, {r: set(p.tags) for r, p in table.peers.items()}
+
+
+def test_open_uses_the_default_gamma_and_an_unguessable_tag() -> None:
+    """Catches: gamma 0 (use the hub's default) not resolved; tags reused or short."""
+    table, _ = _table()
+    peer = _peer(table, b"A")
+    tags = {_open(table, peer), _open(table, peer)}
+    assert len(tags) == 2 and all(len(t) == 16 for t in tags)
+    assert {s.state["gamma"] for s in table.sessions.values()} == {LIMITS.default_gamma}
+    assert peer.tags == tags and peer.stats.sessions == 2
+
+
+@pytest.mark.parametrize("case", ["draining", "hub full", "target quota", "gamma", "empty",
+                                  "token id", "features unwanted"])  # fmt: skip
+def test_each_open_refusal_changes_nothing(case: str) -> None:
+    """Catches: a refusal that still allocates a session or a tag, or the wrong error code."""
+    table, _ = _table()
+    a, b = _peer(table, b"A"), _peer(table, b"B")
+    _open(table, a)
+    if case == "hub full":
+        _open(table, b), _open(table, b)
+    if case == "target quota":
+        _open(table, a)
+    table.draining = case == "draining"
+    before = _snapshot(table)
+    args = {"gamma": (PROMPT, 9, None), "empty": (PROMPT[:0], 0, None),
+            "token id": (np.array([100], dtype=np.int32), 0, None),
+            "features unwanted": (PROMPT, 0, np.zeros((3, 8), np.float16))}.get(
+        case, (PROMPT, 0, None))  # fmt: skip
+    code = {"draining": ErrorCode.SHUTTING_DOWN, "hub full": ErrorCode.RESOURCE_EXHAUSTED,
+            "target quota": ErrorCode.RESOURCE_EXHAUSTED}.get(case, ErrorCode.INVALID_ARGUMENT)
+    refusal = _refused(code, _open, table, a, *args)
+    assert refusal.ref == 1 and _snapshot(table) == before
+
+
+def test_feature_rules_for_an_eagle_hub() -> None:
+    """Catches: features of the wrong shape, dtype or with NaN reaching the drafter."""
+    table, _ = _table(Limits(**{**vars(LIMITS), "feature_width": 8}))
+    peer = _peer(table, b"A")
+    good = np.zeros((3, 8), np.float16)  # one row per prompt token but the last
+    for bad in (None, good[:2], good.astype(np.float32), np.full((3, 8), np.nan, np.float16)):
+        _refused(ErrorCode.INVALID_ARGUMENT, _open, table, peer, PROMPT, 0, bad)
+    assert not table.sessions
+    _open(table, peer, features=good)
+
+
+def _delivered_session(table: SessionTable, peer: Peer, proposed: int = 4) -> bytes:
+    tag = _open(table, peer)
+    assert table.delivered(tag, 0, proposed) is not None
+    return tag
+
+
+def test_a_verdict_is_applied_once_and_in_order() -> None:
+    """Catches: a replayed or reordered DRAFT applied twice; BUSY not enforced; accepted
+    beyond the proposal taken; a verdict counted although it was refused."""
+    table, _ = _table()
+    peer = _peer(table, b"A")
+    tag = _open(table, peer)
+    draft = Draft(tag, 0, 0, np.array([3], dtype=np.int32))
+    _refused(ErrorCode.BUSY, table.draft, peer, draft)  # its first proposal is being drafted
+    table.delivered(tag, 0, 4)
+    _refused(ErrorCode.OUT_OF_ORDER, table.draft, peer, draft)  # seq 0 was the OPEN's
+    _refused(ErrorCode.INVALID_ARGUMENT, table.draft, peer, Draft(tag, 1, 5, draft.appended))
+    assert peer.stats.rounds == 0
+    session = table.draft(peer, Draft(tag, 1, 2, draft.appended))
+    assert session.in_flight and peer.stats.rounds == 1 and peer.stats.accepted == 2
+    _refused(ErrorCode.BUSY, table.draft, peer, Draft(tag, 1, 2, draft.appended))
+    table.delivered(tag, 1, 3)
+    _refused(ErrorCode.OUT_OF_ORDER, table.draft, peer, Draft(tag, 1, 2, draft.appended))
+    assert peer.stats.rounds == 1 and session.next_seq == 2 and session.last_gamma == 3
+
+
+def test_an_error_result_keeps_the_sequence_number() -> None:
+    """Catches: an ERROR delivery (e.g. CONTEXT_FULL) advancing next_seq like a proposal."""
+    table, _ = _table()
+    peer = _peer(table, b"A")
+    tag = _delivered_session(table, peer)
+    table.draft(peer, Draft(tag, 1, 0, PROMPT[:1]))
+    session = table.delivered(tag, 1, None)
+    assert session is not None and session.next_seq == 1 and not session.in_flight
+
+
+def test_foreign_and_unknown_tags() -> None:
+    """Catches: a target drafting or closing another target's session."""
+    table, _ = _table()
+    owner, intruder = _peer(table, b"A"), _peer(table, b"B")
+    tag = _delivered_session(table, owner)
+    before = _snapshot(table)
+    for call, arg in ((table.draft, Draft(tag, 1, 0, PROMPT[:1])), (table.close, tag)):
+        _refused(ErrorCode.FORBIDDEN, call, intruder, arg)
+    assert _snapshot(table) == before
+    _refused(ErrorCode.UNKNOWN_SESSION, table.close, owner, b"\0" * 16)
+    table.close(owner, tag)
+    assert not table.sessions and not owner.tags
+
+
+def test_a_reconnected_owner_takes_its_sessions_along() -> None:
+    """Catches: proposals still routed to the dead connection after the same key reconnects."""
+    table, _ = _table()
+    old, new = _peer(table, b"A1", key=b"K"), _peer(table, b"A2", key=b"K")
+    tag = _delivered_session(table, old)
+    table.draft(new, Draft(tag, 1, 0, PROMPT[:1]))
+    assert table.sessions[tag].routing_id == b"A2" and new.tags == {tag} and not old.tags
+
+
+def test_closed_while_drafting_delivers_nothing() -> None:
+    """Catches: a proposal sent for a session that was closed while its job was drafted."""
+    table, _ = _table()
+    peer = _peer(table, b"A")
+    tag = _open(table, peer)
+    table.close(peer, tag)
+    assert table.delivered(tag, 0, 4) is None
+
+
+def test_leases_follow_the_clock() -> None:
+    """Catches: a lease that never expires, expires early, or is not renewed by traffic."""
+    table, clock = _table()
+    quiet, busy = _peer(table, b"Q"), _peer(table, b"B")
+    _open(table, quiet)
+    clock.now += LIMITS.lease_s
+    assert table.expired() == []  # exactly at the lease: still alive
+    table.seen(busy)
+    clock.now += 0.01
+    assert table.expired() == [quiet]
+    assert table.forget(quiet) == 1 and not table.sessions and b"Q" not in table.peers
+    assert table.welcome(b"B", b"B", "again") is None  # a known connection is not re-admitted
