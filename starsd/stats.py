@@ -65,6 +65,7 @@ class HubStats:
     sessions_expired: int = 0  # freed because their target's lease ran out
     sessions_dropped: int = 0  # freed because their proposal could not be delivered
     unauthenticated: int = 0  # messages refused for a key not (or no longer) allowed
+    over_budget: int = 0  # messages dropped unread: their peer sent faster than its budget
 
     def record_batch(self, jobs: int, busy_s: float, busy_cpu_s: float) -> None:
         """A batch was drafted and delivered in ``busy_s`` wall (``busy_cpu_s`` CPU) seconds."""
@@ -91,7 +92,7 @@ class HubStats:
             f"cpu_ms_per_job={1e3 * self.busy_cpu_s / max(self.jobs, 1):.2f} "
             f"messages={self.messages} errors_sent={self.errors_sent} "
             f"expired={self.sessions_expired} dropped={self.sessions_dropped} "
-            f"unauthenticated={self.unauthenticated}"
+            f"unauthenticated={self.unauthenticated} over_budget={self.over_budget}"
         )
 
 

@@ -325,3 +325,19 @@ async def test_connect_survives_a_welcome_slower_than_the_rejoin_timer() -> None
         await client.aclose()
         hub.close()
         ctx.term()
+
+
+def test_fair_queue_remove_and_clear() -> None:
+    """Catches: a closed session's job still drafted (remove), a removal that reorders or
+    loses other targets' jobs, and a drain that drafts its whole backlog (clear)."""
+    q: FairQueue[str] = FairQueue()
+    for owner, job in (("A", "a1"), ("B", "b1"), ("A", "a2"), ("A", "a3"), ("B", "b2")):
+        q.put(owner, job)
+    assert q.remove("A", lambda j: j == "a2") == 1 and q.remove("C", lambda j: True) == 0
+    assert q.take(10) == ["a1", "b1", "a3", "b2"]
+    q.put("A", "a4"), q.put("B", "b3")
+    assert q.remove("B", lambda j: True) == 1 and q.take(10) == ["a4"]
+    q.put("A", "a5")
+    assert q.clear() == 1
+    q.close()
+    assert q.take(10) is None

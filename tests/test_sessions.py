@@ -77,7 +77,7 @@ def test_each_open_refusal_changes_nothing(case: str) -> None:
     a, b = _peer(table, b"A"), _peer(table, b"B")
     _open(table, a)
     if case == "hub full":
-        _open(table, b), _open(table, b)
+        _open(table, b), _open(table, _peer(table, b"C"))
     if case == "target quota":
         _open(table, a)
     table.draining = case == "draining"
@@ -181,5 +181,56 @@ def test_leases_follow_the_clock() -> None:
     table.seen(busy)
     clock.now += 0.01
     assert table.expired() == [quiet]
-    assert table.forget(quiet) == 1 and not table.sessions and b"Q" not in table.peers
+    assert len(table.forget(quiet)) == 1 and not table.sessions and b"Q" not in table.peers
     assert table.welcome(b"B", b"B", "again") is None  # a known connection is not re-admitted
+
+
+def test_the_quota_counts_a_key_over_all_its_connections() -> None:
+    """Catches: a quota per connection, which one key on several connections multiplies."""
+    table, _ = _table(Limits(**{**vars(LIMITS), "max_sessions": 100}))
+    conns = [_peer(table, bytes([i]), key=b"K") for i in range(3)]
+    _open(table, conns[0]), _open(table, conns[1])
+    _refused(ErrorCode.RESOURCE_EXHAUSTED, _open, table, conns[2])
+    table.close(conns[0], next(iter(conns[0].tags)))
+    _open(table, conns[2])  # closing one frees its place in the key's quota
+
+
+def test_a_nearly_full_hub_keeps_a_share_for_a_newcomer() -> None:
+    """Catches: a few targets taking every session, so a target arriving later gets none."""
+    limits = Limits(**{**vars(LIMITS), "max_sessions": 16, "max_sessions_per_target": 16})
+    table, _ = _table(limits)
+    greedy = _peer(table, b"G")
+    opened = 0
+    with pytest.raises(Refused) as info:
+        while True:
+            _open(table, greedy)
+            opened += 1
+    assert info.value.code == ErrorCode.RESOURCE_EXHAUSTED and opened < 16
+    newcomer = _peer(table, b"N")
+    _open(table, newcomer)  # still room, although the greedy target asked for everything
+    _refused(ErrorCode.RESOURCE_EXHAUSTED, _open, table, greedy)
+
+
+def test_context_full_is_refused_before_anything_changes() -> None:
+    """Catches: a re-sent DRAFT after CONTEXT_FULL growing the session each time (the check
+    ran after the tokens were appended, so nothing bounded the session's memory)."""
+    table, _ = _table(Limits(**{**vars(LIMITS), "max_positions": 8}))
+    peer = _peer(table, b"A")
+    _refused(ErrorCode.CONTEXT_FULL, _open, table, peer, np.arange(8, dtype=np.int32))
+    tag = _delivered_session(table, peer)  # 4 prompt tokens
+    long_draft = Draft(tag, 1, 2, np.array([1, 2], dtype=np.int32))  # 4 + 2 + 2 = 8: full
+    for _ in range(3):
+        _refused(ErrorCode.CONTEXT_FULL, table.draft, peer, long_draft)
+    assert table.sessions[tag].length == 4 and peer.stats.rounds == 0
+    table.draft(peer, Draft(tag, 1, 2, np.array([1], dtype=np.int32)))
+    assert table.sessions[tag].length == 7
+
+
+def test_a_failed_job_ends_its_session() -> None:
+    """Catches: a session kept after its drafting failed half-way (state no longer matches
+    the target's tokens), so a retried DRAFT would commit the verdict twice."""
+    table, _ = _table()
+    peer = _peer(table, b"A")
+    tag = _open(table, peer)
+    assert table.delivered(tag, 0, None) is not None
+    assert tag not in table.sessions and not peer.tags and not table.owned_by

@@ -4,7 +4,8 @@ A plain FIFO is work-conserving but lets a target with many sessions (or a burst
 take most of the drafting time. Here every target has its own FIFO and the drafting thread
 takes one job per target in turn, so each target waits at most one job per other target between
 two of its own, however chatty the others are. Bounded: the hub admits at most one job in
-flight per session and a quota of sessions per target.
+flight per session and a quota of sessions per target, and removes a session's queued job when
+the session ends (so no target has more queued jobs than live sessions).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -42,6 +43,26 @@ class FairQueue(Generic[T]):
                 self._waiting -= 1
         if ring:  # outside the lock, so the woken taker finds it free
             self._doorbell.put(None)
+
+    def remove(self, owner: Hashable, unwanted: Callable[[T], bool]) -> int:
+        """Drop ``owner``'s queued jobs for which ``unwanted`` is true; returns how many."""
+        with self._lock:
+            jobs = self._queues.get(owner)
+            if not jobs:
+                return 0
+            kept = deque(job for job in jobs if not unwanted(job))
+            if kept:
+                self._queues[owner] = kept  # keeps its place in the round
+            else:
+                del self._queues[owner]
+            return len(jobs) - len(kept)
+
+    def clear(self) -> int:
+        """Drop every queued job (a drain that ran out of time); returns how many."""
+        with self._lock:
+            dropped = sum(len(jobs) for jobs in self._queues.values())
+            self._queues.clear()
+            return dropped
 
     def take(self, limit: int) -> list[T] | None:
         """Up to ``limit`` jobs, one per owner in turn; None once closed and empty."""

@@ -22,16 +22,19 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import zmq.asyncio
 
 from starsd import protocol, security, transport
+from starsd.hub.budget import PeerBudget
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.engine import DraftingEngine
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import Limits, Peer, Refused, Session, SessionTable
+from starsd.logsafe import Throttle, printable
 from starsd.protocol import (
     Close,
     Draft,
@@ -81,6 +84,8 @@ class Hub:
         self.lock = threading.Lock()  # guards table and stats: event loop vs drafting thread
         self.table = SessionTable(limits_of(config, welcome, proposer.max_positions))
         self.stats = HubStats()
+        self.budget = PeerBudget()  # each peer's share of the reading
+        self.quiet = Throttle()  # log lines a peer can trigger at will: one per 10 s per kind
         self.q_in: FairQueue[DraftJob] = FairQueue()
         self.engine = DraftingEngine(proposer, self.q_in, self.table, self.lock, self.send,
                                      self.stats)  # fmt: skip
@@ -149,6 +154,9 @@ class Hub:
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self._in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        dropped = self.q_in.clear()  # the timeout holds: a backlog is refused, not drafted
+        if dropped:
+            log.info("drain timeout: %d queued jobs dropped", dropped)
         with self.lock:
             for peer in self.table.peers.values():
                 self.send(peer.routing_id, Error(ErrorCode.SHUTTING_DOWN, "hub is stopping"))
@@ -167,8 +175,21 @@ class Hub:
         for received in received_batch:
             with self.lock:  # per message: the drafting thread's deliveries wait one at most
                 self.stats.messages += 1
+                if not self._within_budget(received.peer):
+                    continue
                 for reply in self.handle(received.peer, received.frames, received.user_id):
                     self.send(received.peer, reply)
+
+    def _within_budget(self, routing_id: bytes) -> bool:
+        peer = self.table.peers.get(routing_id)
+        if self.budget.take(routing_id, len(peer.tags) if peer is not None else 0):
+            return True
+        self.stats.over_budget += 1
+        held = self.quiet.allow(("budget", routing_id))
+        if held is not None:
+            log.warning("peer %s is over its message budget: dropping its excess (%d more "
+                        "since the last line)", routing_id.hex()[:10], held)  # fmt: skip
+        return False
 
     async def _stats_loop(self) -> None:
         reported = 0
@@ -184,13 +205,15 @@ class Hub:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             self.expire_leases()
+            with self.lock:
+                self.budget.prune()
 
     def expire_leases(self) -> int:
         """Forget every target silent for longer than its lease; returns how many."""
         with self.lock:
             dead = self.table.expired()
             for peer in dead:
-                freed = self.table.forget(peer)
+                freed = self._forget(peer)
                 self.stats.sessions_expired += freed
                 log.info("target %s silent for %.1f s: lease expired, freed %d sessions",
                          peer.stats.name, self.table.clock() - peer.last_seen, freed)  # fmt: skip
@@ -205,11 +228,18 @@ class Hub:
         """
         if isinstance(msg, Error):
             self.stats.errors_sent += msg.code != ErrorCode.SHUTTING_DOWN  # notices aren't errors
-            log.info("-> %s ERROR %s: %s", routing_id.hex()[:10], msg.code, msg.message)
+            self._log_error("->", routing_id, msg)
         if isinstance(msg, _STAMPED):
             msg = dataclasses.replace(msg, epoch=self.epoch)
         assert self.router is not None, "sending needs serve()"
         return self.router.send(routing_id, msg)
+
+    def _log_error(self, direction: str, routing_id: bytes, msg: Error) -> None:
+        held = self.quiet.allow((direction, routing_id, msg.code))
+        if held is not None:  # a peer decides how often this happens: throttled, escaped
+            log.info("%s %s ERROR %s: %s%s", direction, routing_id.hex()[:10],
+                     printable(msg.code, 24), printable(msg.message),
+                     f" ({held} more like it since the last line)" if held else "")  # fmt: skip
 
     # ------------------------------------------------------------------ dispatch (lock held)
 
@@ -240,7 +270,8 @@ class Hub:
             peer.stats.errors += 1
         if not isinstance(exc, Refused):
             return Error(exc.code, exc.message)
-        if exc.code == ErrorCode.FORBIDDEN and peer is not None:
+        if (exc.code == ErrorCode.FORBIDDEN and peer is not None
+                and self.quiet.allow(("forbidden", peer.routing_id)) is not None):  # fmt: skip
             log.warning("target %s named a session it does not own", peer.stats.name)
         return Error(exc.code, exc.message, ref=exc.ref, tag=exc.tag, seq=exc.seq)
 
@@ -251,7 +282,7 @@ class Hub:
         peer = self.table.peers.get(routing_id)
         if peer is not None:  # revoked while connected: its state goes at once
             log.warning("target %s: key no longer allowed, freed %d sessions", peer.stats.name,
-                        self.table.forget(peer))  # fmt: skip
+                        self._forget(peer))  # fmt: skip
         raise ProtocolError(ErrorCode.UNAUTHENTICATED, "this key is not allowed on this hub")
 
     def _dispatch(
@@ -266,8 +297,8 @@ class Hub:
                 return [self.snapshot(nonce)]
             case Pong():
                 return []
-            case Error(code=code, message=text):
-                log.info("<- %s ERROR %s: %s", routing_id.hex()[:10], code, text)
+            case Error():
+                self._log_error("<-", routing_id, msg)
                 return []
         if peer is None:
             raise ProtocolError(ErrorCode.NOT_WELCOMED, "send HELLO before anything else")
@@ -285,7 +316,7 @@ class Hub:
                 self._enqueue(session, msg.seq, msg.accepted, appended, msg.features)
                 return []
             case Close(tag=tag):
-                self.table.close(peer, tag)
+                self._unqueue([self.table.close(peer, tag)])
                 return []
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a hub")
 
@@ -297,7 +328,8 @@ class Hub:
             )
         differences = protocol.compatibility_problems(self.welcome, msg)
         if differences:
-            log.warning("refused target %s (%s): %s", routing_id.hex(), msg.model, differences)
+            log.warning("refused target %s (%s): %s", routing_id.hex(), printable(msg.model),
+                        printable(differences, 400))  # fmt: skip
             return Error(ErrorCode.INCOMPATIBLE, f"target refused: {differences}")
         key = user_id.encode() if user_id is not None else routing_id
         name = self._peer_name(routing_id, user_id, msg.model)
@@ -307,7 +339,18 @@ class Hub:
 
     def _peer_name(self, routing_id: bytes, user_id: str | None, model: str) -> str:
         key_name = self.allow.name_of(user_id) if self.allow is not None else None
-        return f"{routing_id.hex()}/{key_name or model}"
+        return f"{routing_id.hex()}/{printable(key_name or model, 40)}"
+
+    def _forget(self, peer: Peer) -> int:
+        """Drop a peer, its sessions and their queued jobs; returns how many sessions went."""
+        gone = self.table.forget(peer)
+        self._unqueue(gone)
+        return len(gone)
+
+    def _unqueue(self, sessions: list[Session]) -> None:
+        """Ended sessions' queued jobs are never drafted (a job being drafted is not sent)."""
+        for session in sessions:
+            self.q_in.remove(session.owner, _job_of(session.tag))
 
     def _enqueue(self, session: Session, seq: int, accepted: int, appended: tuple[int, ...],
                  features: np.ndarray | None) -> None:  # fmt: skip
@@ -343,3 +386,8 @@ class Hub:
     def _log_summary(self) -> None:
         log.info("hub stopped after %.1f s; summary:", time.perf_counter() - self.stats.started)
         self._log_stats()
+
+
+def _job_of(tag: bytes) -> Callable[[DraftJob], bool]:
+    """A test for the queued job of session ``tag``."""
+    return lambda job: job.tag == tag

@@ -69,6 +69,7 @@ class Session:
     owner: bytes  # Peer.key of the target that opened it
     routing_id: bytes  # where its proposals go (the owner's current connection)
     state: Any  # the proposer's per-session state
+    length: int  # tokens committed so far (prompt + generated), as the verdicts say
     next_seq: int = 0
     in_flight: bool = True  # a job for it is queued or being drafted
     last_gamma: int = 0  # tokens in the proposal the next verdict refers to
@@ -85,6 +86,7 @@ class SessionTable:
         self.clock = clock
         self.peers: dict[bytes, Peer] = {}
         self.sessions: dict[bytes, Session] = {}
+        self.owned_by: dict[bytes, int] = {}  # sessions per owner key, over all its connections
         self.draining = False  # set once: no new sessions, no new rounds
 
     # ------------------------------------------------------------------ peers
@@ -101,13 +103,13 @@ class SessionTable:
         """Any message renews its sender's lease."""
         peer.last_seen = self.clock()
 
-    def forget(self, peer: Peer) -> int:
-        """Drop a peer and every session bound to it; returns how many sessions went."""
+    def forget(self, peer: Peer) -> list[Session]:
+        """Drop a peer and every session bound to it; returns the sessions that went."""
         self.peers.pop(peer.routing_id, None)
-        tags = [t for t in peer.tags if t in self.sessions]
-        for tag in tags:
-            self.drop(self.sessions[tag])
-        return len(tags)
+        gone = [self.sessions[t] for t in peer.tags if t in self.sessions]
+        for session in gone:
+            self.drop(session)
+        return gone
 
     def expired(self) -> list[Peer]:
         """Peers silent for longer than the lease (not yet forgotten)."""
@@ -124,8 +126,10 @@ class SessionTable:
             raise Refused(*problem, ref=msg.ref)
         tag = secrets.token_bytes(protocol.TAG_BYTES)
         state = new_state(msg.prompt.tolist(), msg.sampling, gamma)
-        session = Session(tag=tag, owner=peer.key, routing_id=peer.routing_id, state=state)
+        session = Session(tag=tag, owner=peer.key, routing_id=peer.routing_id, state=state,
+                          length=msg.prompt.size)  # fmt: skip
         self.sessions[tag] = session
+        self.owned_by[peer.key] = self.owned_by.get(peer.key, 0) + 1
         peer.tags.add(tag)
         peer.stats.sessions += 1
         return session
@@ -137,14 +141,17 @@ class SessionTable:
         if problem is not None:
             raise Refused(*problem, tag=msg.tag, seq=msg.seq)
         peer.stats.record_verdict(session.last_gamma, msg.accepted)
+        session.length += msg.accepted + msg.appended.size
         if session.routing_id != peer.routing_id:  # the owner reconnected (same CURVE key)
             self._move(session, peer)
         session.in_flight = True
         return session
 
-    def close(self, peer: Peer, tag: bytes) -> None:
-        """End one of ``peer``'s sessions."""
-        self.drop(self.owned(peer, tag, None))
+    def close(self, peer: Peer, tag: bytes) -> Session:
+        """End one of ``peer``'s sessions; returns it."""
+        session = self.owned(peer, tag, None)
+        self.drop(session)
+        return session
 
     def owned(self, peer: Peer, tag: bytes, seq: int | None) -> Session:
         """The session ``tag`` if ``peer``'s key owns it; UNKNOWN_SESSION or FORBIDDEN if not."""
@@ -157,8 +164,12 @@ class SessionTable:
         return session
 
     def drop(self, session: Session) -> None:
-        """Forget a session (closed, its target gone, or its proposal undeliverable)."""
-        self.sessions.pop(session.tag, None)
+        """Forget a session (closed, its target gone, its job failed or undeliverable)."""
+        if self.sessions.pop(session.tag, None) is None:
+            return
+        left = self.owned_by.pop(session.owner) - 1
+        if left:
+            self.owned_by[session.owner] = left
         peer = self.peers.get(session.routing_id)
         if peer is not None:
             peer.tags.discard(session.tag)
@@ -166,13 +177,16 @@ class SessionTable:
     def delivered(self, tag: bytes, seq: int, proposed: int | None) -> Session | None:
         """A job's result is going out; ``proposed`` is its token count, None for an error.
 
-        Returns the session, or None if it was closed while its job was drafted.
+        Returns the session (dropped already after an error, whose reply still goes out), or
+        None if it was closed while its job was drafted.
         """
         session = self.sessions.get(tag)
         if session is None:
             return None
         session.in_flight = False
-        if proposed is not None:
+        if proposed is None:  # the job failed: its state may be half-applied, so it goes
+            self.drop(session)
+        else:
             session.next_seq = seq + 1
             session.last_gamma = proposed
         return session
@@ -189,15 +203,36 @@ class SessionTable:
             return ErrorCode.SHUTTING_DOWN, "hub is stopping; not opening sessions"
         if len(self.sessions) >= limits.max_sessions:
             return ErrorCode.RESOURCE_EXHAUSTED, "hub is at --max-sessions"
-        if len(peer.tags) >= limits.max_sessions_per_target:
+        held = self.owned_by.get(peer.key, 0)
+        if held >= limits.max_sessions_per_target:
             return ErrorCode.RESOURCE_EXHAUSTED, (
-                f"this target has {len(peer.tags)} sessions (--max-sessions-per-target)")
+                f"this target has {held} sessions (--max-sessions-per-target)")
+        if held >= self._share_when_scarce():
+            return ErrorCode.RESOURCE_EXHAUSTED, (
+                f"hub nearly full; this target already holds its share ({held} sessions)")
         if not 1 <= gamma <= limits.max_gamma:
             return ErrorCode.INVALID_ARGUMENT, f"gamma {gamma} outside 1..{limits.max_gamma}"
         problem = self._token_problem(msg.prompt, allow_empty=False)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, f"prompt: {problem}"
+        if self._full(msg.prompt.size):
+            return ErrorCode.CONTEXT_FULL, "the prompt leaves the draft no room"
         return self._feature_problem(msg.features, msg.prompt.size - 1)
+
+    def _share_when_scarce(self) -> float:
+        """How many sessions one key may hold now: unlimited while the hub has room to spare;
+        once free sessions fall to the reserve (an eighth), an equal share of the hub among the
+        keys holding sessions plus one newcomer, so a target arriving late still gets in."""
+        limits = self.limits
+        free = limits.max_sessions - len(self.sessions)
+        if free > max(1, limits.max_sessions // 8):
+            return float("inf")
+        return limits.max_sessions // (len(self.owned_by) + 1)
+
+    def _full(self, length: int) -> bool:
+        """True when a sequence of ``length`` committed tokens leaves no room to draft one."""
+        limit = self.limits.max_positions
+        return limit is not None and length >= limit
 
     def _draft_problem(self, session: Session, msg: Draft) -> tuple[str, str] | None:
         if self.draining:
@@ -212,6 +247,8 @@ class SessionTable:
         problem = self._token_problem(msg.appended, allow_empty=True)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, f"appended: {problem}"
+        if self._full(session.length + msg.accepted + msg.appended.size):
+            return ErrorCode.CONTEXT_FULL, "draft context is full"
         return self._feature_problem(msg.features, msg.accepted + msg.appended.size)
 
     def _token_problem(self, ids: np.ndarray, allow_empty: bool) -> str | None:

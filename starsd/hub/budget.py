@@ -1,0 +1,57 @@
+"""Each peer's share of the hub's reading: a token bucket per connection.
+
+A peer that sends faster than any target needs (a PING flood, thousands of bad frames) has its
+excess dropped before it is decoded or answered, so it costs the hub a receive and a dictionary
+look-up, and the other targets' messages keep flowing. libzmq already reads the connections in
+turn (a ROUTER fair-queues its input pipes), and its receive high-water mark stops reading a
+connection whose queue is full, so a flood backs up in the flooder's own TCP connection.
+
+The rate grows with the sessions a peer holds (one DRAFT per round per session, plus pings): a
+legitimate target never meets it. Pure, with an injectable clock; the hub calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Messages per second a peer may send, and the burst it may save up."""
+
+    base_per_s: float = 200.0  # HELLO, OPENs, PINGs, STATS: a target without sessions
+    per_session_per_s: float = 200.0  # rounds: a fast target makes ~50-100 per session
+    burst_s: float = 1.0  # seconds of its rate a peer may send at once
+
+
+class PeerBudget:
+    """Token buckets by routing id; ``take`` says whether one more message may be handled."""
+
+    def __init__(self, rates: Rates = Rates(), clock: Callable[[], float] = time.monotonic
+                 ) -> None:  # fmt: skip
+        self.rates = rates
+        self.clock = clock
+        self._buckets: dict[bytes, tuple[float, float]] = {}  # routing id -> (tokens, at)
+
+    def take(self, peer: bytes, sessions: int) -> bool:
+        """Spend one message of ``peer``'s budget (it holds ``sessions``); False when spent."""
+        rate = self.rates.base_per_s + self.rates.per_session_per_s * sessions
+        cap = rate * self.rates.burst_s
+        now = self.clock()
+        tokens, at = self._buckets.get(peer, (cap, now))
+        tokens = min(cap, tokens + (now - at) * rate)
+        if tokens < 1.0:
+            self._buckets[peer] = (tokens, now)
+            return False
+        self._buckets[peer] = (tokens - 1.0, now)
+        return True
+
+    def prune(self, idle_s: float = 10.0) -> int:
+        """Forget buckets untouched for ``idle_s`` (they would be full again anyway)."""
+        now = self.clock()
+        idle = [p for p, (_, at) in self._buckets.items() if now - at > idle_s]
+        for peer in idle:
+            del self._buckets[peer]
+        return len(idle)
