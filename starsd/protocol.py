@@ -433,7 +433,7 @@ def _unpack_body(raw: memoryview) -> dict[str, Any]:
 def _check_fields(cls: type, body: dict[str, Any]) -> dict[str, Any]:
     layout = _LAYOUTS[cls]
     if not layout.schema.keys() >= body.keys():
-        unknown = sorted(body.keys() - layout.schema.keys())
+        unknown = _sorted_keys(body.keys() - layout.schema.keys())
         raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: unknown {unknown}")
     for name, types in layout.schema.items():
         if name in body:
@@ -441,6 +441,11 @@ def _check_fields(cls: type, body: dict[str, Any]) -> dict[str, Any]:
         elif name not in layout.defaulted:
             raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: missing field {name!r}")
     return body
+
+
+def _sorted_keys(keys: Any) -> list[Any]:
+    # msgpack map keys may be str or bytes (strict_map_key allows both), which do not compare
+    return sorted(keys, key=repr)
 
 
 def _check_type(where: str, name: str, value: Any, types: tuple[type, ...]) -> None:
@@ -456,7 +461,7 @@ def _check_type(where: str, name: str, value: Any, types: tuple[type, ...]) -> N
 def _sampling(raw: dict[str, Any]) -> SamplingParams:
     unknown = set(raw) - set(_SAMPLING_SCHEMA)
     if unknown:
-        raise ProtocolError(ErrorCode.MALFORMED, f"sampling: unknown fields {sorted(unknown)}")
+        raise ProtocolError(ErrorCode.MALFORMED, f"sampling: unknown {_sorted_keys(unknown)}")
     for name, types in _SAMPLING_SCHEMA.items():
         if name in raw:
             _check_type("sampling", name, raw[name], types)

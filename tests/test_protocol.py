@@ -143,6 +143,14 @@ BAD_FRAMES = {
                         + msgpack.packb({"nonce": list(range(1000))})], ErrorCode.MALFORMED),
     "ext type": ([bytes((V, 8)) + msgpack.packb({"nonce": msgpack.ExtType(1, b"x")})],
                  ErrorCode.MALFORMED),
+    # unknown keys of both str and bytes type: sorting them for the message once raised
+    # TypeError (an INTERNAL reply with a traceback) instead of MALFORMED
+    "unknown keys str and bytes": ([_header(V, Ping.TYPE, {"nonce": 1, "zz": 1, b"yy": 2})],
+                                   ErrorCode.MALFORMED),
+    "unknown sampling keys str and bytes": ([
+        _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"zz": 1, b"yy": 2},
+                               "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
+        ErrorCode.MALFORMED),
     "bad sampling": ([
         _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": -1.0},
                                "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
