@@ -22,6 +22,9 @@ import msgpack
 import numpy as np
 
 PROTOCOL_VERSION = 2
+# a peer silent for this many heartbeat intervals is presumed dead; hub lease, client and ZMTP
+# heartbeat timeout all use it
+LIVENESS_INTERVALS = 3
 MAX_APPENDED = 1024  # tokens a target may commit between two rounds (one DRAFT)
 EPOCH_BYTES = 8  # random per hub process; every hub reply carries it
 TAG_BYTES = 16  # 128 random bits, minted by the hub
@@ -121,7 +124,7 @@ class Welcome:
     default_gamma: int
     max_gamma: int
     draft_kind: str = "llm"
-    heartbeat_ms: int = 1000  # send something at least this often; 3 silent intervals = dead
+    heartbeat_ms: int = 1000  # send something at least this often (see LIVENESS_INTERVALS)
     version: int = PROTOCOL_VERSION
     feature_width: int = 0  # > 0: the hub drafts from target features (EAGLE) of this width
     feature_dtype: str = "float16"  # and expects them in this dtype
