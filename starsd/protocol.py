@@ -7,21 +7,31 @@ frame order. Decoding is hardened: frame sizes, msgpack container limits, a sche
 type, allowed dtypes, and ``len(frame) == prod(shape) * itemsize`` are all checked before any
 array is built, and every array view is read-only and zero-copy over the received buffer.
 
-This module imports only msgpack and numpy, so any tool can speak the protocol.
+The message dataclasses are the schema, its one source: a field's annotation says which types
+its value may have on the wire, a default makes it optional, and an array field carries its
+dtypes and rank in its metadata (see ``_array``). The tables that encode and decode read are
+derived from them once, at import.
+
+This module imports only the standard library, msgpack and numpy, so any tool can speak it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, TypeAlias
 
 import msgpack
 import numpy as np
 
 PROTOCOL_VERSION = 2
+# a peer silent for this many heartbeat intervals is presumed dead; hub lease, client and ZMTP
+# heartbeat timeout all use it
+LIVENESS_INTERVALS = 3
 MAX_APPENDED = 1024  # tokens a target may commit between two rounds (one DRAFT)
 EPOCH_BYTES = 8  # random per hub process; every hub reply carries it
 TAG_BYTES = 16  # 128 random bits, minted by the hub
@@ -33,6 +43,8 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024  # one array frame (a dense [gamma, V] float3
 MAX_FRAMES = 8
 MAX_ARRAY_ELEMENTS = MAX_FRAME_BYTES
 ALLOWED_DTYPES = frozenset({"int32", "int64", "float16", "float32"})
+_IDS = frozenset({"int32", "int64"})
+_FLOATS = frozenset({"float16", "float32"})
 _MAX_STR, _MAX_BIN, _MAX_ARRAY, _MAX_MAP = 4096, 1024, 64, 32
 
 
@@ -97,6 +109,20 @@ class SamplingParams:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"bad sampling parameters {self}")
 
 
+@dataclass(frozen=True)
+class _ArraySpec:
+    dtypes: frozenset[str]
+    rank: int
+
+
+def _array(dtypes: frozenset[str], rank: int) -> dict[str, _ArraySpec]:
+    """Field metadata marking a numpy array that travels as its own raw frame, of one of
+    ``dtypes`` and with ``rank`` dimensions (a default of None makes it optional)."""
+    if not dtypes <= ALLOWED_DTYPES:  # decode builds arrays only from the dtypes it knows
+        raise ValueError(f"dtypes {sorted(dtypes - ALLOWED_DTYPES)} are not allowed")
+    return {"array": _ArraySpec(dtypes, rank)}
+
+
 # ---------------------------------------------------------------------------------- messages
 
 
@@ -124,7 +150,7 @@ class Welcome:
     default_gamma: int
     max_gamma: int
     draft_kind: str = "llm"
-    heartbeat_ms: int = 1000  # send something at least this often; 3 silent intervals = dead
+    heartbeat_ms: int = 1000  # send something at least this often (see LIVENESS_INTERVALS)
     version: int = PROTOCOL_VERSION
     feature_width: int = 0  # > 0: the hub drafts from target features (EAGLE) of this width
     feature_dtype: str = "float16"  # and expects them in this dtype
@@ -136,11 +162,11 @@ class Open:
 
     TYPE: ClassVar[int] = 3
     ref: int
-    prompt: np.ndarray = field(repr=False)  # [n_prompt] int32 token ids
+    prompt: np.ndarray = field(repr=False, metadata=_array(_IDS, 1))  # [n_prompt] token ids
     sampling: SamplingParams
     gamma: int
     # EAGLE hubs only: [n_prompt - 1, H] target features of every prompt position but the last
-    features: np.ndarray | None = field(default=None, repr=False)
+    features: np.ndarray | None = field(default=None, repr=False, metadata=_array(_FLOATS, 2))
 
 
 @dataclass(frozen=True)
@@ -165,10 +191,10 @@ class Draft:
     tag: bytes
     seq: int
     accepted: int
-    appended: np.ndarray = field(repr=False)  # [n_appended] int32
+    appended: np.ndarray = field(repr=False, metadata=_array(_IDS, 1))  # [n_appended]
     # EAGLE hubs only: [accepted + n_appended, H] features of the positions committed since the
     # last message, up to but excluding the new last token (the target has not run it yet)
-    features: np.ndarray | None = field(default=None, repr=False)
+    features: np.ndarray | None = field(default=None, repr=False, metadata=_array(_FLOATS, 2))
 
 
 @dataclass(frozen=True)
@@ -183,9 +209,9 @@ class Proposal:
     TYPE: ClassVar[int] = 6
     tag: bytes
     seq: int
-    tokens: np.ndarray = field(repr=False)  # [gamma] int32
-    q_probs: np.ndarray | None = field(default=None, repr=False)
-    q_support: np.ndarray | None = field(default=None, repr=False)
+    tokens: np.ndarray = field(repr=False, metadata=_array(_IDS, 1))  # [gamma]
+    q_probs: np.ndarray | None = field(default=None, repr=False, metadata=_array(_FLOATS, 2))
+    q_support: np.ndarray | None = field(default=None, repr=False, metadata=_array(_IDS, 2))
     epoch: bytes = b""
 
 
@@ -258,13 +284,8 @@ Message: TypeAlias = (
     Hello | Welcome | Open | Opened | Draft | Proposal | Close | Ping | Pong | Error
     | StatsRequest | Stats
 )
-MESSAGE_TYPES: dict[int, type] = {
-    cls.TYPE: cls
-    for cls in (
-        Hello, Welcome, Open, Opened, Draft, Proposal, Close, Ping, Pong, Error, StatsRequest,
-        Stats,
-    )
-}  # fmt: skip
+MESSAGE_TYPES: dict[int, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
+
 
 def compatibility_problems(welcome: Welcome, hello: Hello) -> str:
     """What differs between hub and target that makes token ids mean different things ('' if
@@ -281,55 +302,16 @@ def compatibility_problems(welcome: Welcome, hello: Hello) -> str:
     return "; ".join(problems)
 
 
-# Schema: for every field, the accepted python types after msgpack decoding. Array fields are
-# listed separately with their allowed dtypes and rank.
-_INT = (int,)
-_OPT_INT = (int, type(None))
-_NUM = (float, int)
-_SCHEMAS: dict[type, dict[str, tuple[type, ...]]] = {
-    Hello: {"model": (str,), "vocab_size": _INT, "tokenizer": (str,), "version": _INT,
-            "feature_width": _INT},
-    Welcome: {
-        "model": (str,), "vocab_size": _INT, "tokenizer": (str,), "epoch": (bytes,),
-        "default_gamma": _INT, "max_gamma": _INT, "draft_kind": (str,), "heartbeat_ms": _INT,
-        "version": _INT, "feature_width": _INT, "feature_dtype": (str,),
-    },
-    Open: {"ref": _INT, "sampling": (dict,), "gamma": _INT},
-    Opened: {"ref": _INT, "tag": (bytes,), "epoch": (bytes,)},
-    Draft: {"tag": (bytes,), "seq": _INT, "accepted": _INT},
-    Proposal: {"tag": (bytes,), "seq": _INT, "epoch": (bytes,)},
-    Close: {"tag": (bytes,)},
-    Ping: {"nonce": _INT},
-    Pong: {"nonce": _INT, "epoch": (bytes,)},
-    Error: {
-        "code": (str,), "message": (str,), "ref": _OPT_INT,
-        "tag": (bytes, type(None)), "seq": _OPT_INT, "epoch": (bytes,),
-    },
-    StatsRequest: {"nonce": _INT},
-    Stats: {
-        "nonce": _INT, "wall_s": _NUM, "busy_s": _NUM, "jobs": _INT, "batches": _INT,
-        "sessions": _INT, "targets": _INT, "rounds": _INT, "proposed": _INT, "accepted": _INT,
-        "queue_wait_s": _NUM, "epoch": (bytes,),
-    },
-}  # fmt: skip
-_ARRAYS: dict[type, dict[str, tuple[frozenset[str], int, bool]]] = {
-    # name: (dtypes, rank, required)
-    Open: {
-        "prompt": (frozenset({"int32", "int64"}), 1, True),
-        "features": (frozenset({"float16", "float32"}), 2, False),
-    },
-    Draft: {
-        "appended": (frozenset({"int32", "int64"}), 1, True),
-        "features": (frozenset({"float16", "float32"}), 2, False),
-    },
-    Proposal: {
-        "tokens": (frozenset({"int32", "int64"}), 1, True),
-        "q_probs": (frozenset({"float32", "float16"}), 2, False),
-        "q_support": (frozenset({"int32", "int64"}), 2, False),
-    },
-}
-_SAMPLING_SCHEMA = {
-    "temperature": (float, int), "top_k": _INT, "top_p": (float, int), "seed": _OPT_INT,
+# --------------------------------------------------------------------------- derived schema
+
+# The types a msgpack value may decode into, per type a field may be annotated with: exact
+# types (``type(v) in``), so a bool, an int subclass, is never taken for a count. A float may
+# arrive as an int, as packers in other languages send integral floats; a nested dataclass
+# (SamplingParams) arrives as a map.
+_WIRE_TYPES: dict[Any, frozenset[type]] = {
+    int: frozenset({int}), float: frozenset({float, int}), str: frozenset({str}),
+    bytes: frozenset({bytes}), type(None): frozenset({type(None)}),
+    SamplingParams: frozenset({dict}),
 }  # fmt: skip
 _DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # numpy's dtype.name is slow
@@ -337,29 +319,49 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # numpy's dtype
 
 @dataclass(frozen=True)
 class _Layout:
-    """What encode and decode need to know about one message class, worked out once: the
+    """What encode and decode need to know about one dataclass, worked out once: the
     per-message cost of ``dataclasses.fields`` and friends is most of a small message's."""
 
+    name: str  # for error messages
     header: bytes  # version and type bytes
-    body_fields: tuple[str, ...]  # in declaration order; arrays excluded
-    array_fields: tuple[str, ...]  # frame order
-    defaulted: frozenset[str]  # what a body may leave out
-    schema: dict[str, tuple[type, ...]]  # every field a body may carry, with its types
+    schema: dict[str, frozenset[type]]  # body fields in declaration order, with their types
+    defaulted: frozenset[str]  # what a message may leave out, body fields or arrays
+    nested: tuple[str, ...]  # body fields holding SamplingParams (a map on the wire)
+    arrays: dict[str, _ArraySpec]  # array fields, in frame order
+
+
+def _union(hint: Any) -> tuple[Any, ...]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
 
 
 def _layout(cls: type) -> _Layout:
-    fields = dataclasses.fields(cls)
-    arrays = _ARRAYS.get(cls, {})
+    hints = typing.get_type_hints(cls)  # the annotations are strings (postponed evaluation)
+    schema: dict[str, frozenset[type]] = {}
+    arrays: dict[str, _ArraySpec] = {}
+    for f in dataclasses.fields(cls):
+        parts = _union(hints[f.name])
+        if "array" in f.metadata and set(parts) <= {np.ndarray, type(None)}:
+            arrays[f.name] = f.metadata["array"]
+        elif "array" not in f.metadata and all(part in _WIRE_TYPES for part in parts):
+            schema[f.name] = frozenset().union(*(_WIRE_TYPES[part] for part in parts))
+        else:  # refuse at import what decode could not check, rather than skip it
+            raise TypeError(f"{cls.__name__}.{f.name}: no wire form for {hints[f.name]}")
+    defaulted = frozenset(f.name for f in dataclasses.fields(cls) if f.default is not MISSING
+                          or f.default_factory is not MISSING)  # fmt: skip
     return _Layout(
-        header=bytes((PROTOCOL_VERSION, cls.TYPE)),  # type: ignore[attr-defined]
-        body_fields=tuple(f.name for f in fields if f.name not in arrays),
-        array_fields=tuple(f.name for f in fields if f.name in arrays),
-        defaulted=frozenset(f.name for f in fields if f.default is not dataclasses.MISSING),
-        schema=_SCHEMAS[cls],
+        name=cls.__name__,
+        header=bytes((PROTOCOL_VERSION, getattr(cls, "TYPE", 0))),  # SamplingParams: unused
+        schema=schema,
+        defaulted=defaulted,
+        nested=tuple(n for n in schema if SamplingParams in _union(hints[n])),
+        arrays=arrays,
     )
 
 
-_LAYOUTS = {cls: _layout(cls) for cls in MESSAGE_TYPES.values()}
+_LAYOUTS = {cls: _layout(cls) for cls in (*MESSAGE_TYPES.values(), SamplingParams)}
+_SAMPLING_FIELDS = tuple(_LAYOUTS[SamplingParams].schema)
 
 
 # ---------------------------------------------------------------------------------- encode
@@ -368,12 +370,13 @@ _LAYOUTS = {cls: _layout(cls) for cls in MESSAGE_TYPES.values()}
 def encode(msg: Message) -> list[bytes | memoryview]:
     """Serialise a message into frames: header (version, type, msgpack body) + array frames."""
     layout = _LAYOUTS[type(msg)]
-    body: dict[str, Any] = {name: getattr(msg, name) for name in layout.body_fields}
-    if "sampling" in body:
-        body["sampling"] = dataclasses.asdict(body["sampling"])
+    body: dict[str, Any] = {name: getattr(msg, name) for name in layout.schema}
+    for name in layout.nested:  # (dataclasses.asdict would deep-copy: slower)
+        if body[name] is not None:
+            body[name] = {key: getattr(body[name], key) for key in _SAMPLING_FIELDS}
     frames: list[bytes | memoryview] = []
     arrays: list[list[Any]] = []
-    for name in layout.array_fields:
+    for name in layout.arrays:
         value = getattr(msg, name)
         if value is not None:
             arr = np.ascontiguousarray(value)
@@ -396,11 +399,13 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(frames)} frames (max {MAX_FRAMES})")
     header = memoryview(frames[0])
     cls = _header_type(header)
+    layout = _LAYOUTS[cls]
     body = _unpack_body(header[2:])
-    arrays = _decode_arrays(cls, body.pop("arrays", None), frames[1:])
-    kwargs = _check_fields(cls, body)
-    if "sampling" in kwargs:
-        kwargs["sampling"] = _sampling(kwargs["sampling"])
+    arrays = _decode_arrays(layout, body.pop("arrays", None), frames[1:])
+    kwargs = _check_fields(layout, body)
+    for name in layout.nested:
+        if kwargs.get(name) is not None:
+            kwargs[name] = _sampling(kwargs[name])
     return cls(**kwargs, **arrays)  # type: ignore[no-any-return]
 
 
@@ -433,74 +438,64 @@ def _unpack_body(raw: memoryview) -> dict[str, Any]:
     return body
 
 
-def _check_fields(cls: type, body: dict[str, Any]) -> dict[str, Any]:
-    layout = _LAYOUTS[cls]
-    if not layout.schema.keys() >= body.keys():
-        unknown = sorted(body.keys() - layout.schema.keys())
-        raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: unknown {unknown}")
-    for name, types in layout.schema.items():
+def _check_fields(layout: _Layout, body: dict[str, Any]) -> dict[str, Any]:
+    """Check a decoded map against a layout's schema: known keys, types, nothing missing."""
+    schema = layout.schema
+    if not schema.keys() >= body.keys():
+        # msgpack map keys may be str or bytes (strict_map_key allows both): sort by repr
+        unknown = sorted(body.keys() - schema.keys(), key=repr)
+        raise ProtocolError(ErrorCode.MALFORMED, f"{layout.name}: unknown {unknown}")
+    for name, allowed in schema.items():
         if name in body:
-            _check_type(cls.__name__, name, body[name], types)
+            value = body[name]
+            if type(value) not in allowed:
+                raise ProtocolError(ErrorCode.MALFORMED, f"{layout.name}.{name}: "
+                                    f"{type(value).__name__} is not the expected type")
+            if type(value) is int and not -(1 << 63) <= value < 1 << 63:
+                raise ProtocolError(ErrorCode.MALFORMED, f"{layout.name}.{name}: out of range")
         elif name not in layout.defaulted:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: missing field {name!r}")
+            raise ProtocolError(ErrorCode.MALFORMED, f"{layout.name}: missing field {name!r}")
     return body
 
 
-def _check_type(where: str, name: str, value: Any, types: tuple[type, ...]) -> None:
-    # bool is an int subclass in Python; a bool where a count is expected is a schema error.
-    if isinstance(value, bool) or not isinstance(value, types):
-        raise ProtocolError(
-            ErrorCode.MALFORMED, f"{where}.{name}: {type(value).__name__} is not the expected type"
-        )
-    if isinstance(value, int) and not -(1 << 63) <= value < 1 << 63:
-        raise ProtocolError(ErrorCode.MALFORMED, f"{where}.{name}: integer out of range")
-
-
 def _sampling(raw: dict[str, Any]) -> SamplingParams:
-    unknown = set(raw) - set(_SAMPLING_SCHEMA)
-    if unknown:
-        raise ProtocolError(ErrorCode.MALFORMED, f"sampling: unknown fields {sorted(unknown)}")
-    for name, types in _SAMPLING_SCHEMA.items():
-        if name in raw:
-            _check_type("sampling", name, raw[name], types)
-    params = SamplingParams(**raw)
+    params = SamplingParams(**_check_fields(_LAYOUTS[SamplingParams], raw))
     params.validate()
     return params
 
 
 def _decode_arrays(
-    cls: type, described: Any, frames: Sequence[bytes | memoryview]
+    layout: _Layout, described: Any, frames: Sequence[bytes | memoryview]
 ) -> dict[str, np.ndarray]:
-    spec = _ARRAYS.get(cls, {})
     described = [] if described is None else described
     if not isinstance(described, list) or len(described) != len(frames):
         raise ProtocolError(
-            ErrorCode.MALFORMED, f"{cls.__name__}: array descriptors do not match the frames"
+            ErrorCode.MALFORMED, f"{layout.name}: array descriptors do not match the frames"
         )
     out: dict[str, np.ndarray] = {}
     for desc, frame in zip(described, frames, strict=True):
-        name, arr = _decode_array(cls.__name__, spec, desc, frame)
+        name, arr = _decode_array(layout, desc, frame)
         if name in out:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: array {name!r} repeated")
+            raise ProtocolError(ErrorCode.MALFORMED, f"{layout.name}: array {name!r} repeated")
         out[name] = arr
-    missing = [n for n, (_, _, required) in spec.items() if required and n not in out]
+    missing = [n for n in layout.arrays if n not in out and n not in layout.defaulted]
     if missing:
-        raise ProtocolError(ErrorCode.MALFORMED, f"{cls.__name__}: missing arrays {missing}")
+        raise ProtocolError(ErrorCode.MALFORMED, f"{layout.name}: missing arrays {missing}")
     return out
 
 
-def _decode_array(
-    where: str, spec: dict[str, tuple[frozenset[str], int, bool]], desc: Any, frame: Any
-) -> tuple[str, np.ndarray]:
+def _decode_array(layout: _Layout, desc: Any, frame: Any) -> tuple[str, np.ndarray]:
+    where = layout.name
     if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], str)):
         raise ProtocolError(ErrorCode.MALFORMED, f"{where}: bad array descriptor")
     name, dtype, shape = desc
-    if name not in spec:
+    spec = layout.arrays.get(name)
+    if spec is None:
         raise ProtocolError(ErrorCode.MALFORMED, f"{where}: unexpected array {name!r}")
-    dtypes, rank, _ = spec[name]
-    if not isinstance(dtype, str) or dtype not in dtypes or dtype not in ALLOWED_DTYPES:
+    # (every spec's dtypes are among ALLOWED_DTYPES: _array checks that at import)
+    if not isinstance(dtype, str) or dtype not in spec.dtypes:
         raise ProtocolError(ErrorCode.MALFORMED, f"{where}.{name}: dtype {dtype!r} not allowed")
-    if not _valid_shape(shape, rank):
+    if not _valid_shape(shape, spec.rank):
         raise ProtocolError(ErrorCode.MALFORMED, f"{where}.{name}: bad shape {shape!r}")
     buf = memoryview(frame)
     count = math.prod(shape)

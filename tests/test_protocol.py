@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
+from dataclasses import MISSING
 
 import msgpack
 import numpy as np
@@ -49,7 +52,7 @@ def _equal(a: protocol.Message, b: protocol.Message) -> bool:
     return True
 
 
-MESSAGES = [
+MESSAGES: list[protocol.Message] = [
     Hello("target-7b", 32000, "abc123"),
     Welcome("draft", 32000, "abc123", b"\x01" * 8, 4, 16),
     Open(3, np.arange(5, dtype=np.int32), SamplingParams(0.7, 50, 0.9, 42), 4),
@@ -109,6 +112,8 @@ BAD_FRAMES = {
     "unknown field": ([_header(V, Ping.TYPE, {"nonce": 1, "x": 2})], ErrorCode.MALFORMED),
     "wrong type": ([_header(V, Ping.TYPE, {"nonce": "1"})], ErrorCode.MALFORMED),
     "bool as int": ([_header(V, Ping.TYPE, {"nonce": True})], ErrorCode.MALFORMED),
+    # msgpack carries uint64; past int64 a seed or a count overflows numpy on the other side
+    "int out of range": ([_header(V, Ping.TYPE, {"nonce": 1 << 63})], ErrorCode.MALFORMED),
     "array frame missing": ([GOOD_DRAFT[0]], ErrorCode.MALFORMED),
     "extra frame": ([*GOOD_DRAFT, b"1234"], ErrorCode.MALFORMED),
     "length != shape": ([GOOD_DRAFT[0], b"\x00" * 5], ErrorCode.MALFORMED),
@@ -143,6 +148,14 @@ BAD_FRAMES = {
                         + msgpack.packb({"nonce": list(range(1000))})], ErrorCode.MALFORMED),
     "ext type": ([bytes((V, 8)) + msgpack.packb({"nonce": msgpack.ExtType(1, b"x")})],
                  ErrorCode.MALFORMED),
+    # unknown keys of both str and bytes type: sorting them for the message once raised
+    # TypeError (an INTERNAL reply with a traceback) instead of MALFORMED
+    "unknown keys str and bytes": ([_header(V, Ping.TYPE, {"nonce": 1, "zz": 1, b"yy": 2})],
+                                   ErrorCode.MALFORMED),
+    "unknown sampling keys str and bytes": ([
+        _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"zz": 1, b"yy": 2},
+                               "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
+        ErrorCode.MALFORMED),
     "bad sampling": ([
         _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": -1.0},
                                "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
@@ -181,3 +194,136 @@ def test_features_and_empty_arrays_round_trip() -> None:
                                 np.zeros((0, 4), np.float16))))  # fmt: skip
     assert isinstance(empty, Open) and empty.features is not None
     assert empty.features.shape == (0, 4)
+
+
+# ------------------------------------------------- the schema is the dataclasses, nothing else
+
+# the first sample of each message type
+SAMPLES: dict[type, protocol.Message] = {type(m): m for m in reversed(MESSAGES)}
+# What each annotation admits on the wire, written out here rather than read from the decoder,
+# so that the decoder's derivation is checked against the dataclasses it claims to follow.
+WIRE: dict[object, set[type]] = {
+    int: {int}, float: {float, int}, str: {str}, bytes: {bytes}, type(None): {type(None)},
+    SamplingParams: {dict},
+}  # fmt: skip
+CANDIDATES = [1, 0.5, "s", b"b", None, True, [1], {}]  # one value of each msgpack kind
+
+
+def _parts(msg: protocol.Message) -> tuple[dict, list[tuple[list, bytes]]]:
+    """A sample's body and its (array descriptor, frame) pairs, to edit and re-send."""
+    frames = _frames(msg)
+    body = msgpack.unpackb(frames[0][2:])
+    return body, list(zip(body.pop("arrays", []), frames[1:], strict=True))
+
+
+def _send(cls: type, body: dict, arrays: list[tuple[list, bytes]]) -> list[bytes]:
+    body = {**body, "arrays": [desc for desc, _ in arrays]} if arrays else body
+    return [_header(V, cls.TYPE, body), *(frame for _, frame in arrays)]  # type: ignore[attr-defined]
+
+
+def _with_field(cls: type, name: str, value: object) -> list[bytes]:
+    """A valid message with body field ``name`` (of ``cls``, or of Open's sampling) set."""
+    base = Open if cls is SamplingParams else cls
+    body, arrays = _parts(SAMPLES[base])
+    (body["sampling"] if cls is SamplingParams else body)[name] = value
+    return _send(base, body, arrays)
+
+
+def _read(msg: protocol.Message, cls: type, name: str) -> object:
+    """Field ``name`` of a decoded message, or of its sampling when ``cls`` is SamplingParams."""
+    return getattr(msg.sampling if isinstance(msg, Open) and cls is SamplingParams else msg, name)
+
+
+def _body_fields(cls: type) -> list[tuple[str, set[type]]]:
+    hints = typing.get_type_hints(cls)
+    cases = []
+    for f in dataclasses.fields(cls):
+        if "array" not in f.metadata:
+            wire: set[type] = set()
+            for part in typing.get_args(hints[f.name]) or (hints[f.name],):  # X | None: both
+                wire |= WIRE[part]
+            cases.append((f.name, wire))
+    return cases
+
+
+SCHEMA_CLASSES = [*protocol.MESSAGE_TYPES.values(), SamplingParams]
+FIELD_CASES = [(cls, name, wire) for cls in SCHEMA_CLASSES for name, wire in _body_fields(cls)]
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "wire"), FIELD_CASES, ids=[f"{c.__name__}.{n}" for c, n, _ in FIELD_CASES]
+)
+def test_field_types_come_from_annotations(cls: type, name: str, wire: set[type]) -> None:
+    for value in CANDIDATES:
+        frames = _with_field(cls, name, value)
+        if type(value) not in wire:
+            with pytest.raises(ProtocolError) as info:
+                decode(frames)
+            assert info.value.code == ErrorCode.MALFORMED, (value, info.value)
+            continue
+        out = decode(frames)
+        got = _read(out, cls, name)
+        assert isinstance(value, dict) or got == value, (value, got)
+
+
+ARRAY_CASES = [
+    (cls, f.name, f.metadata["array"])
+    for cls in protocol.MESSAGE_TYPES.values() for f in dataclasses.fields(cls)
+    if "array" in f.metadata
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "spec"), ARRAY_CASES, ids=[f"{c.__name__}.{n}" for c, n, _ in ARRAY_CASES]
+)
+def test_array_dtypes_and_rank_come_from_field_metadata(cls: type, name: str, spec: object) -> None:
+    dtypes, rank = spec.dtypes, spec.rank  # type: ignore[attr-defined]
+    body, arrays = _parts(SAMPLES[cls])
+    others = [(desc, frame) for desc, frame in arrays if desc[0] != name]
+    for dtype in sorted(protocol.ALLOWED_DTYPES):
+        for shape in ([2] * (rank - 1), [2] * rank, [2] * (rank + 1)):
+            frame = bytes(np.dtype(dtype).itemsize * math.prod(shape))
+            frames = _send(cls, body, [*others, ([name, dtype, shape], frame)])
+            if dtype in dtypes and len(shape) == rank:
+                arr = getattr(decode(frames), name)
+                assert arr.dtype == dtype and list(arr.shape) == shape
+                continue
+            with pytest.raises(ProtocolError) as info:
+                decode(frames)
+            assert info.value.code == ErrorCode.MALFORMED, (dtype, shape, info.value)
+
+
+@pytest.mark.parametrize("cls", SCHEMA_CLASSES, ids=lambda c: c.__name__)
+def test_required_fields_are_those_without_defaults(cls: type) -> None:
+    base = Open if cls is SamplingParams else cls
+    for f in dataclasses.fields(cls):
+        body, arrays = _parts(SAMPLES[base])
+        (body["sampling"] if cls is SamplingParams else body).pop(f.name, None)
+        frames = _send(base, body, [(d, frame) for d, frame in arrays if d[0] != f.name])
+        if f.default is MISSING and f.default_factory is MISSING:
+            with pytest.raises(ProtocolError) as info:
+                decode(frames)
+            assert info.value.code == ErrorCode.MALFORMED, (f.name, info.value)
+        else:
+            out = decode(frames)
+            assert _read(out, cls, f.name) == f.default, f.name
+
+
+def test_a_field_with_no_wire_form_is_refused_at_import() -> None:
+    @dataclasses.dataclass
+    class Listed:
+        ids: list[int]
+
+    @dataclasses.dataclass
+    class Unmarked:
+        ids: np.ndarray  # an array with no dtypes or rank declared
+
+    @dataclasses.dataclass
+    class Mismarked:
+        n: int = dataclasses.field(default=0, metadata=protocol._array(frozenset({"int32"}), 1))
+
+    for cls in (Listed, Unmarked, Mismarked):
+        with pytest.raises(TypeError):
+            protocol._layout(cls)
+    with pytest.raises(ValueError):
+        protocol._array(frozenset({"float64"}), 1)  # decode could not build it
