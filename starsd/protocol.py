@@ -35,9 +35,6 @@ LIVENESS_INTERVALS = 3
 MAX_APPENDED = 1024  # tokens a target may commit between two rounds (one DRAFT)
 EPOCH_BYTES = 8  # random per hub process; every hub reply carries it
 TAG_BYTES = 16  # 128 random bits, minted by the hub
-# A peer silent for this many heartbeat intervals is presumed dead; hub lease, client and ZMTP
-# heartbeat timeout all use it.
-LIVENESS_INTERVALS = 3
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # one array frame (a dense [gamma, V] float32 fits easily)
 MAX_FRAMES = 8

@@ -223,7 +223,7 @@ async def test_peer_strings_cannot_forge_log_lines(
     """Attack 8. Catches: an ERROR's text or a HELLO's model name logged verbatim, newlines
     and ANSI escapes included (a forged '... starsd.hub INFO FORGED' line)."""
     caplog.set_level(logging.INFO, logger="starsd")
-    forged = "x\n2026-11-30 12:00:00,000 starsd.hub INFO FORGED \x1b[2J" + "A" * 5000
+    forged = "x\n2026-11-30 12:00:00,000 starsd.hub INFO FORGED \x1b[2J" + "A" * 3000
     async with serving(llama_pair[1]) as hub:
         raw = RawTarget(hub.endpoint)
         await raw.send(Error(ErrorCode.INTERNAL, forged))
@@ -231,7 +231,7 @@ async def test_peer_strings_cannot_forge_log_lines(
         assert isinstance(await raw.recv(), Error)  # the HELLO is refused (vocabulary)
         raw.close()
     lines = [r.getMessage() for r in caplog.records]
-    assert any("FORGED" in line for line in lines)  # it was logged...
+    assert any("FORGED" in line for line in lines), lines  # it was logged...
     assert all("\n" not in line and "\x1b" not in line and len(line) < 1000 for line in lines)
 
 
