@@ -36,8 +36,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from starsd import protocol  # noqa: E402
-from starsd.protocol import Close, Draft, Error, Hello, Open, Opened, Ping, Proposal  # noqa: E402
+from starsd import protocol
+from starsd.protocol import Close, Draft, Error, Hello, Open, Opened, Ping
 
 PROMPT = np.array([5, 17, 33, 8], dtype=np.int32)
 MAX_MESSAGES = 200_000  # per attacker process, whatever --seconds says

@@ -30,7 +30,7 @@ from starsd import models, protocol, transport
 from starsd.protocol import Draft, Error, ErrorCode, Open, Ping, Pong, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import hostile  # noqa: E402
+import hostile
 
 
 @contextlib.asynccontextmanager
@@ -69,7 +69,7 @@ async def test_close_removes_the_queued_job_so_churn_drafts_almost_nothing(
         raw = await _welcomed(hub, llama_target)
         hub.engine.proposer = slow = _Slow(hub.proposer, 0.02)  # drafting is the bottleneck
         opened = 0
-        for burst in range(4):
+        for _ in range(4):
             for ref in range(50):
                 await raw.send(Open(ref, PROMPT, SamplingParams(), 4))
             opened += await _close_each_opened(raw, 50)
