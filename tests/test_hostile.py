@@ -15,7 +15,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgpack
@@ -238,11 +238,10 @@ async def test_peer_strings_cannot_forge_log_lines(
 # ---------------------------------------------------------------- throughput beside attacks
 
 
-@pytest.fixture(scope="module")
-def attacked_hub(llama_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-                 ) -> HubProcess:  # fmt: skip
-    hub = HubProcess(llama_pair[1], tmp_path_factory.mktemp("hostile") / "hub.log",
-                     "--max-sessions", "64", "--max-sessions-per-target", "32")  # fmt: skip
+@pytest.fixture
+def attacked_hub(llama_pair: tuple[Path, Path], tmp_path: Path) -> Iterator[HubProcess]:
+    hub = HubProcess(llama_pair[1], tmp_path / "hub.log", "--max-sessions", "64",
+                     "--max-sessions-per-target", "32")  # fmt: skip
     yield hub
     assert hub.stop() == 0
 
