@@ -33,7 +33,14 @@ from pathlib import Path
 import numpy as np
 import zmq.asyncio
 
-from starsd import protocol, security, transport
+from starsd import protocol, transport
+from starsd.auth import (
+    AllowList,
+    CurveAuthenticator,
+    CurveServerConfig,
+    check_plaintext_endpoint,
+    start_authenticator,
+)
 from starsd.drafter import Drafter, DraftJob, DraftState
 from starsd.protocol import (
     Close,
@@ -83,10 +90,10 @@ class HubConfig:
     insecure: bool = False  # allow plain text on a non-loopback bind
 
     @property
-    def curve(self) -> security.CurveServerConfig | None:
+    def curve(self) -> CurveServerConfig | None:
         if self.curve_secret is None or self.allow_dir is None:
             return None
-        return security.CurveServerConfig(Path(self.curve_secret), Path(self.allow_dir))
+        return CurveServerConfig(Path(self.curve_secret), Path(self.allow_dir))
 
 
 @dataclass
@@ -131,7 +138,7 @@ class Hub:
         self.router: transport.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
         self.draining = False
-        self.allow: security.AllowList | None = None
+        self.allow: AllowList | None = None
         self.endpoint = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -165,14 +172,14 @@ class Hub:
         """Ask ``serve`` to drain and finish (safe from signal handlers on the loop)."""
         self.stopping.set()
 
-    def _start_security(self, ctx: zmq.asyncio.Context) -> security.CurveAuthenticator | None:
+    def _start_security(self, ctx: zmq.asyncio.Context) -> CurveAuthenticator | None:
         curve = self.config.curve
         if curve is None:
-            security.check_plaintext_endpoint(self.config.bind,
-                                              allow_insecure=self.config.insecure)  # fmt: skip
+            check_plaintext_endpoint(self.config.bind,
+                                     allow_insecure=self.config.insecure)  # fmt: skip
             return None
-        self.allow = security.AllowList(curve.allow_dir)
-        return security.start_authenticator(ctx, self.allow)
+        self.allow = AllowList(curve.allow_dir)
+        return start_authenticator(ctx, self.allow)
 
     def _log_start(self) -> None:
         mode = (f"CURVE, {len(self.allow)} allowed target keys" if self.allow is not None

@@ -14,7 +14,7 @@ import secrets
 import signal
 from pathlib import Path
 
-from starsd import models, protocol, security, transport
+from starsd import auth, keys, models, protocol, transport
 from starsd.drafter import DRAFTERS, Drafter
 from starsd.hub import Hub, HubConfig
 from starsd.protocol import Welcome
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     try:
         transport.run_loop(run(config))
-    except (security.InsecureEndpointError, security.KeyFileError) as exc:
+    except (auth.InsecureEndpointError, keys.KeyFileError) as exc:
         log.error("%s", exc)
         return 2
     return 0

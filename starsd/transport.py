@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from starsd import protocol, security
+from starsd import auth, curve_client, protocol
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class Router:
                 break
             if len(frames) < 2:  # ROUTER always prepends the routing id; anything else is noise
                 continue
-            key = security.user_id(frames[0]) if self.curve else None
+            key = auth.user_id(frames[0]) if self.curve else None
             batch.append(Received(bytes(frames[0].buffer), list(frames[1:]), key))
         return batch
 
@@ -161,25 +161,25 @@ def _ignore(batch: list[Received]) -> None:
 
 
 def router(
-    ctx: zmq.Context, endpoint: str, curve: security.CurveServerConfig | None = None,
+    ctx: zmq.Context, endpoint: str, curve: auth.CurveServerConfig | None = None,
     heartbeat_ms: int = HEARTBEAT_MS,
 ) -> Router:  # fmt: skip
     """The hub's ROUTER socket, bound to ``endpoint`` (CURVE server when ``curve`` is given;
-    the context must then run :func:`security.start_authenticator` first)."""
+    the context must then run :func:`auth.start_authenticator` first)."""
     sock: zmq.Socket = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # sync: see Router
     _common_options(sock, heartbeat_ms)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH/EAGAIN instead of a silent drop
     # ROUTER_HANDOVER stays off: a new connection can never take over a live routing id.
     if curve is not None:
-        security.secure_server(sock, curve)
+        auth.secure_server(sock, curve)
     sock.bind(endpoint)
     return Router(sock, curve is not None)
 
 
 def dealer(
-    ctx: zmq.asyncio.Context, endpoint: str, curve: security.CurveClientConfig | None = None,
+    ctx: zmq.asyncio.Context, endpoint: str, curve: curve_client.CurveClientConfig | None = None,
     heartbeat_ms: int = HEARTBEAT_MS,
-) -> tuple[zmq.asyncio.Socket, security.HandshakeWatch | None]:  # fmt: skip
+) -> tuple[zmq.asyncio.Socket, curve_client.HandshakeWatch | None]:  # fmt: skip
     """A target's DEALER connected to ``endpoint``; the hub assigns its routing id.
 
     With ``curve``, also returns a watch on the handshake (attached before connecting): await
@@ -189,8 +189,8 @@ def dealer(
     _common_options(sock, heartbeat_ms)
     watch = None
     if curve is not None:
-        security.secure_client(sock, curve)
-        watch = security.watch_handshake(sock)
+        curve_client.secure_client(sock, curve)
+        watch = curve_client.watch_handshake(sock)
     sock.connect(endpoint)
     return sock, watch
 
