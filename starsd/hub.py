@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import zmq.asyncio
 
-from starsd import protocol, transport
+from starsd import protocol
 from starsd.auth import (
     AllowList,
     CurveAuthenticator,
@@ -58,6 +58,7 @@ from starsd.protocol import (
     StatsRequest,
     Welcome,
 )
+from starsd.router import Received, Router, bind_router
 from starsd.scheduler import FairQueue
 from starsd.stats import HubStats, TargetStats
 
@@ -135,7 +136,7 @@ class Hub:
         self.stats = HubStats()
         self.lock = threading.Lock()  # peers, sessions and their counters: loop vs drafting thread
         self.q_in: FairQueue[DraftJob] = FairQueue()
-        self.router: transport.Router | None = None  # set while serving
+        self.router: Router | None = None  # set while serving
         self.stopping = asyncio.Event()
         self.draining = False
         self.allow: AllowList | None = None
@@ -146,8 +147,8 @@ class Hub:
     async def serve(self, ctx: zmq.asyncio.Context) -> None:
         """Bind, run until ``stop()``, drain, then shut down cleanly and log the summary."""
         auth = self._start_security(ctx)
-        self.router = sock = transport.router(ctx, self.config.bind, self.config.curve,
-                                              int(1000 * self.config.heartbeat_s))  # fmt: skip
+        self.router = sock = bind_router(ctx, self.config.bind, self.config.curve,
+                                         int(1000 * self.config.heartbeat_s))  # fmt: skip
         self.endpoint = sock.endpoint
         worker = threading.Thread(target=self._drafting_loop, name="drafter")
         worker.start()
@@ -224,7 +225,7 @@ class Hub:
 
     # ------------------------------------------------------------------ event loop
 
-    def _on_messages(self, received_batch: list[transport.Received]) -> None:
+    def _on_messages(self, received_batch: list[Received]) -> None:
         if self.allow is not None:
             self.allow.maybe_reload()
         for received in received_batch:
