@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq.asyncio
 
-from starsd import protocol, security, transport
+from starsd import curve_client, protocol, transport
 from starsd.protocol import (
     Close,
     Draft,
@@ -77,7 +77,7 @@ class HubClient:
 
     def __init__(
         self, ctx: zmq.asyncio.Context, endpoint: str, info: TargetInfo,
-        curve: security.CurveClientConfig | None = None,
+        curve: curve_client.CurveClientConfig | None = None,
     ) -> None:  # fmt: skip
         self.sock, self._watch = transport.dealer(ctx, endpoint, curve)
         self.info = info
@@ -100,7 +100,7 @@ class HubClient:
     async def connect(self, timeout: float = 10.0) -> Welcome:
         """First HELLO/WELCOME; raises HubError if refused, HubUnavailable if no answer.
 
-        With CURVE a rejected key raises security.HandshakeRejected within a second. Either
+        With CURVE a rejected key raises curve_client.HandshakeRejected within a second. Either
         way the liveness tasks keep running, so a hub that comes up later is picked up.
         """
         if self._watch is not None:

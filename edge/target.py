@@ -30,7 +30,7 @@ import torch
 from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
 from edge.speculate import Fallback, generate_speculative
 from edge.verifier import TargetSequence
-from starsd import models, protocol, security, transport
+from starsd import curve_client, models, protocol, transport
 from starsd.protocol import SamplingParams
 
 log = logging.getLogger("edge.target")
@@ -62,10 +62,10 @@ class TargetConfig:
     hub_public_key: str | None = None
 
     @property
-    def curve(self) -> security.CurveClientConfig | None:
+    def curve(self) -> curve_client.CurveClientConfig | None:
         if self.curve_secret is None or self.hub_public_key is None:
             return None
-        return security.CurveClientConfig(Path(self.curve_secret), Path(self.hub_public_key))
+        return curve_client.CurveClientConfig(Path(self.curve_secret), Path(self.hub_public_key))
 
     @property
     def fallback(self) -> Fallback:
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_standalone(config, target, requests)
         else:
             results = transport.run_loop(run_with_hub(config, target, requests))
-    except (HubError, protocol.ProtocolError, security.HandshakeError, ValueError) as exc:
+    except (HubError, protocol.ProtocolError, curve_client.HandshakeError, ValueError) as exc:
         log.error("%s", exc)
         return 2
     _log_summary(results, time.perf_counter() - started)

@@ -340,22 +340,24 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 def suite_lan(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     """Hub and targets on separate hosts (network namespaces), behind a delaying proxy."""
     import netem
+    import netem_namespaces
+    from netem_proxy import ProxyConfig
 
-    ok, why = netem.available()
+    ok, why = netem_namespaces.available()
     if not ok:
         print(f"[lan] network namespaces unavailable ({why}): falling back to loopback, "
               "with the same delay proxy", flush=True)  # fmt: skip
         return lan_loopback(cfg, procs, work)
-    netem.cleanup_stale()
+    netem_namespaces.cleanup_stale()
     runs = []
-    with netem.Namespaces(max(cfg.ns)) as net:
+    with netem_namespaces.Namespaces(max(cfg.ns)) as net:
         prefix = ["ip", "netns", "exec", net.hub.netns]
         # Plain text inside namespaces this run created and removes: --insecure says so.
         hub, _ = start_hub(procs, cfg.draft, work / "hub-lan.log", "--gamma", str(cfg.gamma),
                            "--insecure", bind=f"tcp://{net.hub.ip}:5555",
                            prefix=prefix)  # fmt: skip
-        proxy = netem.ProxyConfig(net.hub.ip, 5555, net.hub.ip, 6000, cfg.delay_ms,
-                                  cfg.rate_mbit, spin_ms=0.0)  # fmt: skip
+        proxy = ProxyConfig(net.hub.ip, 5555, net.hub.ip, 6000, cfg.delay_ms, cfg.rate_mbit,
+                            spin_ms=0.0)  # fmt: skip
         net.run_in(net.hub, netem.proxy_argv(proxy))
         time.sleep(1.0)
         for n in cfg.ns:
@@ -370,12 +372,12 @@ def suite_lan(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
 
 def lan_loopback(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     """The same measurement on loopback, the delay proxy in front of the hub."""
-    import netem
+    from netem_proxy import DelayProxy, ProxyConfig
 
     hub, endpoint = start_hub(procs, cfg.draft, work / "hub-lan.log", "--gamma", str(cfg.gamma))
     port = int(endpoint.rsplit(":", 1)[1])
-    proxy = netem.DelayProxy(netem.ProxyConfig("127.0.0.1", port, delay_ms=cfg.delay_ms,
-                                               rate_mbit=cfg.rate_mbit))  # fmt: skip
+    proxy = DelayProxy(ProxyConfig("127.0.0.1", port, delay_ms=cfg.delay_ms,
+                                   rate_mbit=cfg.rate_mbit))  # fmt: skip
     host, proxy_port = proxy.start_background()
     runs = []
     try:

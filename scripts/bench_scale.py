@@ -11,7 +11,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench_common import BenchConfig, hub_overhead, link_round_ms, run_record
-from harness import Processes, start_hub, start_hubs, stop
+from harness import REPO, Processes, start_hub, start_hubs, stop
 
 from edge.client import TargetInfo
 from starsd import analytic, models
@@ -20,7 +20,7 @@ from starsd.stats import latency_summary
 
 def emulated_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
                  endpoint: str, n: int, cpus: set[int] | None) -> dict:  # fmt: skip
-    """``python -m edge.emulated`` with ``n`` targets; its JSON report."""
+    """``python scripts/emulated.py`` with ``n`` targets; its JSON report."""
     return _emulators(cfg, procs, work, info, [endpoint], n, cpus, warmup=1.0)[0]
 
 
@@ -47,8 +47,8 @@ def _emulators(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
     running = []
     for i, endpoint in enumerate(endpoints):
         out = work / f"emulated-{n}-{verify_ms}-{len(endpoints)}-{i}.json"
-        args = ["-m", "edge.emulated", "--hub", endpoint, "--vocab-size", str(info.vocab_size),
-                "--tokenizer", info.tokenizer, "--targets",
+        args = [str(REPO / "scripts" / "emulated.py"), "--hub", endpoint, "--vocab-size",
+                str(info.vocab_size), "--tokenizer", info.tokenizer, "--targets",
                 str(n), "--alpha", str(cfg.alpha), "--verify-ms", str(verify_ms), "--gamma",
                 str(cfg.gamma), "--duration", str(duration), "--calibration",
                 str(cfg.calibration), "--warmup", str(warmup), "--seed", str(i), "--out",

@@ -13,6 +13,7 @@ import asyncio
 from dataclasses import dataclass
 
 from starsd import transport
+from starsd.hub.router import Received, bind_router
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,10 @@ class EchoConfig:
 async def serve(cfg: EchoConfig) -> None:
     """Reflect every message to its sender until cancelled."""
     ctx = transport.new_context()
-    router = transport.router(ctx, cfg.bind)
+    router = bind_router(ctx, cfg.bind)
     print(f"echo listening on {router.endpoint}", flush=True)
 
-    def echo(batch: list[transport.Received]) -> None:
+    def echo(batch: list[Received]) -> None:
         for received in batch:
             router.send_frames(received.peer, received.frames)
 

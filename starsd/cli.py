@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from starsd import security
+from starsd.keys import Z85_KEY_LEN, KeyFileError, generate_keypair, list_keys, load_public_key
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def run(cmd: Command) -> int:
                 return _list(cmd)
             case KeysShow():
                 return _show(cmd)
-    except (security.KeyFileError, FileExistsError, OSError) as exc:
+    except (KeyFileError, FileExistsError, OSError) as exc:
         print(f"starsd: error: {exc}", file=sys.stderr)
         return 1
     raise AssertionError(f"unhandled command {cmd!r}")
@@ -98,9 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _generate(cmd: KeysGenerate) -> int:
-    public_file, secret_file = security.generate_keypair(cmd.directory, cmd.name,
+    public_file, secret_file = generate_keypair(cmd.directory, cmd.name,
                                                          force=cmd.force)  # fmt: skip
-    public = security.load_public_key(public_file).decode("ascii")
+    public = load_public_key(public_file).decode("ascii")
     print(f"public key  {public_file}  {public}")
     print(f"secret key  {secret_file}  (mode 0600: keep it on this machine only)")
     print(f"next: copy {public_file.name} to the peers that must recognise '{cmd.name}' (a "
@@ -112,22 +112,22 @@ def _list(cmd: KeysList) -> int:
     if not cmd.directory.is_dir():
         print(f"starsd: error: {cmd.directory} is not a directory", file=sys.stderr)
         return 1
-    infos = security.list_keys(cmd.directory)
+    infos = list_keys(cmd.directory)
     if not infos:
         print(f"no keys in {cmd.directory}")
         return 0
     width = max(len(i.name) for i in infos)
-    print(f"{'NAME':<{width}}  {'PUBLIC KEY (z85)':<{security.Z85_KEY_LEN}}  SECRET")
+    print(f"{'NAME':<{width}}  {'PUBLIC KEY (z85)':<{Z85_KEY_LEN}}  SECRET")
     for info in infos:
         public = info.public_key or "?"
         secret = "no" if info.secret_file is None else f"yes ({info.secret_mode or 0:04o})"
-        line = f"{info.name:<{width}}  {public:<{security.Z85_KEY_LEN}}  {secret}"
+        line = f"{info.name:<{width}}  {public:<{Z85_KEY_LEN}}  {secret}"
         print(line + (f"  !! {info.problem}" if info.problem else ""))
     return 0
 
 
 def _show(cmd: KeysShow) -> int:
-    public = security.load_public_key(cmd.path, warn_if_secret=False).decode("ascii")
+    public = load_public_key(cmd.path, warn_if_secret=False).decode("ascii")
     print(public)
     return 0
 

@@ -1,4 +1,9 @@
-"""Per-target and hub-wide counters, and the log lines that report them."""
+"""Per-target and hub-wide counters with their log lines (hub), and latency_summary (both sides).
+
+Shared ground on purpose: the targets (edge/verifier.py) and the benchmark scripts import
+:func:`latency_summary` from here. The hub's counter classes come along, but the module needs only
+the standard library, so that costs the targets nothing; keep it free of hub imports.
+"""
 
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from conftest import RunningHub
 
-from edge.emulated import EmulationConfig, Phases, accepted_count, emulate, schedule
 from starsd import analytic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench_scale
+from emulated import EmulationConfig, Phases, accepted_count, emulate, schedule
 
 CONTRACT = {"mode", "n_targets", "system_tokens_per_s", "per_target_tokens_per_s",
             "predicted_system_tokens_per_s", "hub_busy_fraction", "acceptance_rate",

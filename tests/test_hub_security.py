@@ -14,14 +14,16 @@ from conftest import PROMPT, RawTarget, RunningHub
 
 from edge.client import HubClient, HubUnavailable, TargetInfo
 from starsd import hub as hub_module
-from starsd import models, protocol, security, transport
+from starsd import models, protocol, transport
+from starsd.curve_client import CurveClientConfig, HandshakeRejected
+from starsd.keys import generate_keypair, load_keypair
 from starsd.protocol import Draft, Open, Opened, Ping, Proposal, SamplingParams
 
 
 @pytest.fixture
 def keys(tmp_path: Path) -> Path:
     for name in ("hub", "alice", "bob", "mallory"):
-        security.generate_keypair(tmp_path / "keys", name)
+        generate_keypair(tmp_path / "keys", name)
     allow = tmp_path / "allow"
     allow.mkdir()
     for name in ("alice", "bob"):
@@ -47,7 +49,7 @@ async def curve_hub(keys: Path, llama_pair: tuple[Path, Path]) -> AsyncIterator[
 
 def _client(hub: hub_module.Hub, keys: Path, name: str, target: models.LoadedModel,
             ctx: zmq.asyncio.Context) -> HubClient:  # fmt: skip
-    curve = security.CurveClientConfig(keys / "keys" / f"{name}.key_secret",
+    curve = CurveClientConfig(keys / "keys" / f"{name}.key_secret",
                                        keys / "keys" / "hub.key")  # fmt: skip
     info = TargetInfo(name, target.vocab_size, target.tokenizer_fingerprint)
     return HubClient(ctx, hub.endpoint, info, curve)
@@ -63,7 +65,7 @@ async def test_allowed_keys_get_in_and_sessions_are_bound_to_the_key(
         await bob.connect()
         tag, inbox = await alice.open(PROMPT.tolist(), SamplingParams(), 4)
         assert isinstance(await inbox.get(), Proposal)
-        alice_key = security.load_keypair(keys / "keys" / "alice.key_secret").public
+        alice_key = load_keypair(keys / "keys" / "alice.key_secret").public
         assert curve_hub.sessions[tag].owner == alice_key
         bob_tag, _ = await bob.open(PROMPT.tolist(), SamplingParams(), 4)
         # Bob names Alice's session: refused, nothing about it leaks or changes.
@@ -86,7 +88,7 @@ async def test_unknown_key_fails_loudly_and_never_reaches_the_hub(
     mallory = _client(curve_hub, keys, "mallory", llama_target, ctx)
     started = time.monotonic()
     try:
-        with pytest.raises(security.HandshakeRejected):
+        with pytest.raises(HandshakeRejected):
             await mallory.connect()
         assert time.monotonic() - started < 1.5
     finally:

@@ -1,4 +1,4 @@
-"""scripts/netem.py: the delay/bandwidth proxy on loopback, ZeroMQ through it, and namespaces."""
+"""scripts/netem*.py: the delay/bandwidth proxy on loopback, ZeroMQ through it, and namespaces."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import netem
+import netem_namespaces
+import netem_proxy
 
 
 @pytest.fixture
@@ -39,7 +41,7 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
 @pytest.mark.timeout(10)
 def test_proxy_adds_one_way_delay_each_direction(echo: tuple[str, int]) -> None:
     direct = netem.measure_rtt(*echo)
-    with netem.DelayProxy(netem.ProxyConfig(*echo, delay_ms=20)) as proxy:
+    with netem_proxy.DelayProxy(netem_proxy.ProxyConfig(*echo, delay_ms=20)) as proxy:
         rtt = netem.measure_rtt(*proxy.address)
         stats = proxy.stats
     assert direct < 0.010
@@ -52,7 +54,7 @@ def test_proxy_adds_one_way_delay_each_direction(echo: tuple[str, int]) -> None:
 def test_proxy_rate_cap(echo: tuple[str, int]) -> None:
     n_bytes = 2_000_000
     expected = n_bytes * 8 / 40e6  # 0.4 s; up and down are pipelined, each capped at 40 Mbit/s
-    with netem.DelayProxy(netem.ProxyConfig(*echo, rate_mbit=40)) as proxy:
+    with netem_proxy.DelayProxy(netem_proxy.ProxyConfig(*echo, rate_mbit=40)) as proxy:
         elapsed = netem.measure_throughput(*proxy.address, n_bytes)
     # The lower bound is the cap itself. The upper bound only has to tell pipelined directions
     # (0.4 s) from serialised ones (0.8 s): 1.25x failed on this machine's noise (0.51 s).
@@ -62,14 +64,14 @@ def test_proxy_rate_cap(echo: tuple[str, int]) -> None:
 @pytest.mark.timeout(10)
 def test_proxy_delay_is_pipelined_not_per_chunk(echo: tuple[str, int]) -> None:
     # 4 MB is ~64 chunks each way: sleeping 20 ms per chunk serially would take > 2 s.
-    with netem.DelayProxy(netem.ProxyConfig(*echo, delay_ms=20)) as proxy:
+    with netem_proxy.DelayProxy(netem_proxy.ProxyConfig(*echo, delay_ms=20)) as proxy:
         elapsed = netem.measure_throughput(*proxy.address, 4_000_000)
     assert 0.040 <= elapsed < 0.5, f"{elapsed:.3f} s"
 
 
 @pytest.mark.timeout(10)
 def test_proxy_closes_both_sides(echo: tuple[str, int]) -> None:
-    with netem.DelayProxy(netem.ProxyConfig(*echo, delay_ms=5)) as proxy:
+    with netem_proxy.DelayProxy(netem_proxy.ProxyConfig(*echo, delay_ms=5)) as proxy:
         conn = socket.create_connection(proxy.address, timeout=5)
         conn.sendall(b"hello")
         assert conn.recv(5) == b"hello"
@@ -85,7 +87,7 @@ def test_proxy_upstream_down_closes_client() -> None:
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]  # bound but not listening: connections are refused
-        with netem.DelayProxy(netem.ProxyConfig("127.0.0.1", port)) as proxy:
+        with netem_proxy.DelayProxy(netem_proxy.ProxyConfig("127.0.0.1", port)) as proxy:
             conn = socket.create_connection(proxy.address, timeout=5)
             with conn:
                 assert conn.recv(1) == b""
@@ -101,8 +103,8 @@ def test_zmq_dealer_router_through_proxy() -> None:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVTIMEO, 5000)
         port = router.bind_to_random_port("tcp://127.0.0.1")
-        config = netem.ProxyConfig("127.0.0.1", port, delay_ms=5, rate_mbit=200)
-        with netem.DelayProxy(config) as proxy:
+        config = netem_proxy.ProxyConfig("127.0.0.1", port, delay_ms=5, rate_mbit=200)
+        with netem_proxy.DelayProxy(config) as proxy:
             host, proxy_port = proxy.address
             dealer.setsockopt(zmq.IDENTITY, b"target-0")
             dealer.connect(f"tcp://{host}:{proxy_port}")
@@ -126,7 +128,7 @@ def test_zmq_dealer_router_through_proxy() -> None:
 
 @pytest.mark.timeout(15)
 def test_proxy_cli_subprocess(echo: tuple[str, int]) -> None:
-    config = netem.ProxyConfig(*echo, delay_ms=10)
+    config = netem_proxy.ProxyConfig(*echo, delay_ms=10)
     proc = subprocess.Popen(
         netem.proxy_argv(config), stderr=subprocess.PIPE, text=True, stdout=subprocess.DEVNULL
     )
@@ -163,14 +165,14 @@ def test_parse_args_builds_proxy_config() -> None:
         ["proxy", "--listen", "10.77.0.1:6000", "--upstream", "[::1]:5555", "--delay-ms", "2.5"]
     )
     assert args.command == "proxy"
-    assert args.proxy == netem.ProxyConfig(
+    assert args.proxy == netem_proxy.ProxyConfig(
         "::1", 5555, listen_host="10.77.0.1", listen_port=6000, delay_ms=2.5
     )
 
 
 def test_available_reports_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)
-    usable, reason = netem.available()
+    monkeypatch.setattr(netem_namespaces.os, "geteuid", lambda: 1000)
+    usable, reason = netem_namespaces.available()
     assert not usable
     assert "root" in reason
 
@@ -209,7 +211,7 @@ print(data.decode(), round((time.perf_counter() - start) * 1000, 2))
 
 @pytest.fixture(scope="module")
 def namespaces_ok() -> None:
-    usable, reason = netem.available()
+    usable, reason = netem_namespaces.available()
     if not usable:
         pytest.skip(f"network namespaces unavailable: {reason}")
 
@@ -222,14 +224,15 @@ def _root_links() -> set[str]:
 @pytest.mark.timeout(20)
 def test_namespaces_lan_echo_and_cleanup(namespaces_ok: None) -> None:
     links_before = _root_links()
-    with netem.Namespaces(2) as lan:
+    with netem_namespaces.Namespaces(2) as lan:
         names = lan.names
-        assert set(names) <= set(netem.list_netns())
+        assert set(names) <= set(netem_namespaces.list_netns())
         hub, t0, t1 = lan.hub, *lan.targets
         assert (hub.ip, t0.ip, t1.ip) == ("10.77.0.1", "10.77.0.2", "10.77.0.3")
         server = lan.run_in(hub, [sys.executable, "-c", ECHO_SERVER, hub.ip, "7777"])
         # A delaying proxy in the hub namespace, as the LAN benchmark would run it.
-        config = netem.ProxyConfig(hub.ip, 7777, listen_host=hub.ip, listen_port=7001, delay_ms=10)
+        config = netem_proxy.ProxyConfig(hub.ip, 7777, listen_host=hub.ip, listen_port=7001,
+                                         delay_ms=10)  # fmt: skip
         proxy = lan.run_in(hub, netem.proxy_argv(config), stderr=subprocess.DEVNULL)
         direct = lan.run(t0, [sys.executable, "-c", ECHO_CLIENT, hub.ip, "7777"])
         via_proxy = lan.run(t1, [sys.executable, "-c", ECHO_CLIENT, hub.ip, "7001"])
@@ -239,22 +242,22 @@ def test_namespaces_lan_echo_and_cleanup(namespaces_ok: None) -> None:
         word, rtt_ms = via_proxy.stdout.split()
         assert word == "hello" and float(rtt_ms) >= 20
     assert server.poll() is not None and proxy.poll() is not None
-    assert not set(names) & set(netem.list_netns())
+    assert not set(names) & set(netem_namespaces.list_netns())
     assert _root_links() == links_before
 
 
 @pytest.mark.timeout(10)
 def test_namespaces_removed_on_exception(namespaces_ok: None) -> None:
-    with pytest.raises(KeyboardInterrupt), netem.Namespaces(1) as lan:
+    with pytest.raises(KeyboardInterrupt), netem_namespaces.Namespaces(1) as lan:
         names = lan.names
-        assert set(names) <= set(netem.list_netns())
+        assert set(names) <= set(netem_namespaces.list_netns())
         raise KeyboardInterrupt
-    assert not set(names) & set(netem.list_netns())
+    assert not set(names) & set(netem_namespaces.list_netns())
 
 
 def test_namespace_names_are_unique_per_run() -> None:
-    a, b = netem.Namespaces(1), netem.Namespaces(1)
+    a, b = netem_namespaces.Namespaces(1), netem_namespaces.Namespaces(1)
     assert not set(a.names) & set(b.names)
-    assert all(str(netem.os.getpid()) in name for name in a.names)
+    assert all(str(netem_namespaces.os.getpid()) in name for name in a.names)
     with pytest.raises(ValueError):
-        netem.Namespaces(0)
+        netem_namespaces.Namespaces(0)

@@ -19,14 +19,27 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from starsd import cli, security
-from starsd.security import (
-    AllowList,
+from starsd import cli
+from starsd.curve_client import (
     CurveClientConfig,
-    CurveServerConfig,
     HandshakeRejected,
     HandshakeTimeout,
+    connect_verified,
+    secure_client,
 )
+from starsd.hub.auth import (
+    AllowList,
+    CurveAuthenticator,
+    CurveServerConfig,
+    InsecureEndpointError,
+    check_plaintext_endpoint,
+    is_loopback,
+    peer_address,
+    secure_server,
+    start_authenticator,
+    user_id,
+)
+from starsd.keys import KeyFileError, generate_keypair, load_keypair, load_public_key
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,7 +58,7 @@ class Keys:
     bad: Path  # bad.key_secret (not allowed)
 
     def public(self, secret: Path) -> str:
-        return security.load_keypair(secret).public.decode()
+        return load_keypair(secret).public.decode()
 
     def client_cfg(self, secret: Path) -> CurveClientConfig:
         return CurveClientConfig(secret, self.root / "hub.key")
@@ -59,7 +72,7 @@ class Server:
     sock: zmq.asyncio.Socket
     endpoint: str
     allow: AllowList
-    auth: security.CurveAuthenticator | None
+    auth: CurveAuthenticator | None
     clients: list[zmq.asyncio.Socket] = field(default_factory=list)
 
 
@@ -68,7 +81,7 @@ def keys(tmp_path: Path) -> Keys:
     root, allow_dir = tmp_path / "keys", tmp_path / "allow"
     allow_dir.mkdir()
     for name in ("hub", "good", "bad"):
-        security.generate_keypair(root, name)
+        generate_keypair(root, name)
     shutil.copy(root / "good.key", allow_dir / "good.key")
     return Keys(root, allow_dir, root / "hub.key_secret", root / "good.key_secret",
                 root / "bad.key_secret")  # fmt: skip
@@ -77,10 +90,10 @@ def keys(tmp_path: Path) -> Keys:
 async def _start_server(keys: Keys, *, with_auth: bool = True) -> Server:
     ctx = zmq.asyncio.Context()
     allow = AllowList(keys.allow_dir, check_interval_s=0.0)
-    auth = security.start_authenticator(ctx, allow) if with_auth else None
+    auth = start_authenticator(ctx, allow) if with_auth else None
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    security.secure_server(sock, CurveServerConfig(keys.hub, keys.allow_dir))  # before bind
+    secure_server(sock, CurveServerConfig(keys.hub, keys.allow_dir))  # before bind
     sock.bind("tcp://127.0.0.1:0")
     return Server(ctx, sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), allow, auth)
 
@@ -106,7 +119,7 @@ def _client(server: Server, cfg: CurveClientConfig | None) -> zmq.asyncio.Socket
     sock.setsockopt(zmq.LINGER, 0)
     server.clients.append(sock)
     if cfg is not None:
-        security.secure_client(sock, cfg)  # before connect
+        secure_client(sock, cfg)  # before connect
     return sock
 
 
@@ -127,7 +140,7 @@ async def _try_send(sock: zmq.asyncio.Socket, data: bytes) -> None:
 async def _expect_rejected(sock: zmq.asyncio.Socket, endpoint: str, event: str) -> None:
     started = time.monotonic()
     with pytest.raises(HandshakeRejected) as info:
-        await security.connect_verified(sock, endpoint, timeout_s=1.0)
+        await connect_verified(sock, endpoint, timeout_s=1.0)
     assert time.monotonic() - started < 1.0
     assert info.value.event == event
 
@@ -137,17 +150,17 @@ async def _expect_rejected(sock: zmq.asyncio.Socket, endpoint: str, event: str) 
 
 async def test_allowed_client_round_trips_and_is_identified(server: Server, keys: Keys) -> None:
     client = _client(server, keys.client_cfg(keys.good))
-    await security.connect_verified(client, server.endpoint, timeout_s=2.0)
+    await connect_verified(client, server.endpoint, timeout_s=2.0)
     await client.send(b"ping")
     frames = await _recv_or_none(server.sock, 2000)
     assert frames is not None
     peer, payload = frames
     assert payload.bytes == b"ping"
-    assert security.user_id(payload) == keys.public(keys.good)
-    assert security.user_id(peer) == keys.public(keys.good)  # the routing-id frame carries it too
-    assert security.peer_address(payload) == "127.0.0.1"
-    assert server.allow.is_allowed(security.user_id(payload))
-    assert server.allow.name_of(security.user_id(payload)) == "good"
+    assert user_id(payload) == keys.public(keys.good)
+    assert user_id(peer) == keys.public(keys.good)  # the routing-id frame carries it too
+    assert peer_address(payload) == "127.0.0.1"
+    assert server.allow.is_allowed(user_id(payload))
+    assert server.allow.name_of(user_id(payload)) == "good"
     await server.sock.send_multipart([peer.bytes, b"pong"])
     assert await asyncio.wait_for(client.recv(), 2.0) == b"pong"
 
@@ -194,7 +207,7 @@ async def test_handshake_times_out_without_a_hub() -> None:
     client.setsockopt(zmq.LINGER, 0)
     try:
         with pytest.raises(HandshakeTimeout, match=r"retrying|no connection"):
-            await security.connect_verified(client, endpoint, timeout_s=0.5)
+            await connect_verified(client, endpoint, timeout_s=0.5)
     finally:
         client.close(linger=0)
         ctx.term()
@@ -208,11 +221,11 @@ async def test_plain_text_mode_has_no_user_id() -> None:
         sock.setsockopt(zmq.LINGER, 0)
     try:
         server.bind("tcp://127.0.0.1:0")
-        await security.connect_verified(client, server.getsockopt_string(zmq.LAST_ENDPOINT))
+        await connect_verified(client, server.getsockopt_string(zmq.LAST_ENDPOINT))
         await client.send(b"hi")
         frames = await _recv_or_none(server, 2000)
         assert frames is not None
-        assert security.user_id(frames[1]) is None
+        assert user_id(frames[1]) is None
     finally:
         client.close(linger=0)
         server.close(linger=0)
@@ -222,11 +235,11 @@ async def test_plain_text_mode_has_no_user_id() -> None:
 def test_one_authenticator_per_context(keys: Keys) -> None:
     ctx = zmq.Context()
     allow = AllowList(keys.allow_dir)
-    first = security.start_authenticator(ctx, allow)
+    first = start_authenticator(ctx, allow)
     try:
         assert first.running
         with pytest.raises(zmq.ZMQError):
-            security.start_authenticator(ctx, allow)  # the ZAP endpoint is taken
+            start_authenticator(ctx, allow)  # the ZAP endpoint is taken
     finally:
         first.stop()
         first.stop()  # idempotent
@@ -241,7 +254,7 @@ async def test_revocation_refuses_open_connection_and_new_handshakes(
     server: Server, keys: Keys
 ) -> None:
     client = _client(server, keys.client_cfg(keys.good))
-    await security.connect_verified(client, server.endpoint, timeout_s=2.0)
+    await connect_verified(client, server.endpoint, timeout_s=2.0)
     good = keys.public(keys.good)
 
     (keys.allow_dir / "good.key").unlink()
@@ -253,8 +266,8 @@ async def test_revocation_refuses_open_connection_and_new_handshakes(
     await client.send(b"after revocation")
     frames = await _recv_or_none(server.sock, 2000)
     assert frames is not None
-    assert security.user_id(frames[1]) == good
-    assert not server.allow.is_allowed(security.user_id(frames[1]))
+    assert user_id(frames[1]) == good
+    assert not server.allow.is_allowed(user_id(frames[1]))
 
     again = _client(server, keys.client_cfg(keys.good))
     await _expect_rejected(again, server.endpoint, "HANDSHAKE_FAILED_AUTH")
@@ -262,7 +275,7 @@ async def test_revocation_refuses_open_connection_and_new_handshakes(
     shutil.copy(keys.root / "good.key", keys.allow_dir / "good.key")  # re-admit
     assert server.allow.reload()
     readmitted = _client(server, keys.client_cfg(keys.good))
-    await security.connect_verified(readmitted, server.endpoint, timeout_s=2.0)
+    await connect_verified(readmitted, server.endpoint, timeout_s=2.0)
 
 
 async def test_handshake_rereads_a_changed_allow_dir(server: Server, keys: Keys) -> None:
@@ -272,7 +285,7 @@ async def test_handshake_rereads_a_changed_allow_dir(server: Server, keys: Keys)
     await _expect_rejected(client, server.endpoint, "HANDSHAKE_FAILED_AUTH")
     shutil.copy(keys.root / "bad.key", keys.allow_dir / "bad.key")
     newcomer = _client(server, keys.client_cfg(keys.bad))
-    await security.connect_verified(newcomer, server.endpoint, timeout_s=2.0)
+    await connect_verified(newcomer, server.endpoint, timeout_s=2.0)
 
 
 # ---------------------------------------------------------------------------------- allow-list
@@ -306,18 +319,18 @@ def test_allow_list_skips_bad_files_and_fails_closed(keys: Keys, tmp_path: Path)
     assert allow.maybe_reload()
     assert len(allow) == 0  # gone or unreadable: nobody is allowed
 
-    with pytest.raises(security.KeyFileError):
+    with pytest.raises(KeyFileError):
         AllowList(tmp_path / "missing")
 
 
 def test_key_loading_errors_are_clear(keys: Keys, tmp_path: Path) -> None:
-    with pytest.raises(security.KeyFileError, match="only a public key"):
-        security.load_keypair(keys.root / "good.key")
-    with pytest.raises(security.KeyFileError, match="cannot read"):
-        security.load_keypair(tmp_path / "nope.key_secret")
-    with pytest.raises(security.KeyFileError, match="invalid key name"):
-        security.generate_keypair(tmp_path, "../escape")
-    assert security.load_public_key(keys.good) == security.load_keypair(keys.good).public
+    with pytest.raises(KeyFileError, match="only a public key"):
+        load_keypair(keys.root / "good.key")
+    with pytest.raises(KeyFileError, match="cannot read"):
+        load_keypair(tmp_path / "nope.key_secret")
+    with pytest.raises(KeyFileError, match="invalid key name"):
+        generate_keypair(tmp_path, "../escape")
+    assert load_public_key(keys.good) == load_keypair(keys.good).public
 
 
 # ---------------------------------------------------------------------------------- endpoints
@@ -343,14 +356,14 @@ def test_key_loading_errors_are_clear(keys: Keys, tmp_path: Path) -> None:
     ],
 )
 def test_is_loopback(endpoint: str, loopback: bool) -> None:
-    assert security.is_loopback(endpoint) is loopback
+    assert is_loopback(endpoint) is loopback
 
 
 def test_plain_text_refused_off_loopback(caplog: pytest.LogCaptureFixture) -> None:
-    security.check_plaintext_endpoint("tcp://127.0.0.1:5555")
-    with pytest.raises(security.InsecureEndpointError, match="plain text"):
-        security.check_plaintext_endpoint("tcp://*:5555")
-    security.check_plaintext_endpoint("tcp://*:5555", allow_insecure=True)
+    check_plaintext_endpoint("tcp://127.0.0.1:5555")
+    with pytest.raises(InsecureEndpointError, match="plain text"):
+        check_plaintext_endpoint("tcp://*:5555")
+    check_plaintext_endpoint("tcp://*:5555", allow_insecure=True)
     assert "plain text" in caplog.text
 
 
@@ -364,8 +377,8 @@ def test_cli_generate_list_show(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert stat.S_IMODE(public.stat().st_mode) == 0o644
     assert stat.S_IMODE(key_dir.stat().st_mode) == 0o700
-    pair = security.load_keypair(secret)
-    assert security.load_public_key(public) == pair.public
+    pair = load_keypair(secret)
+    assert load_public_key(public) == pair.public
     assert sorted(p.name for p in key_dir.iterdir()) == ["edge-01.key", "edge-01.key_secret"]
     capsys.readouterr()
 

@@ -8,8 +8,8 @@ import logging
 import os
 import signal
 
-from starsd import models, protocol, security, transport
-from starsd.hub import HubConfig, build_hub
+from starsd import keys, models, protocol, transport
+from starsd.hub import HubConfig, auth, build_hub
 from starsd.hub.drafters import KINDS
 
 log = logging.getLogger("starsd.hub")
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     try:
         transport.run_loop(run(config))
-    except (security.InsecureEndpointError, security.KeyFileError) as exc:
+    except (auth.InsecureEndpointError, keys.KeyFileError) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from starsd import security
+from starsd.hub import auth
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class HubConfig:
     insecure: bool = False  # allow plain text on a non-loopback bind
 
     @property
-    def curve(self) -> security.CurveServerConfig | None:
+    def curve(self) -> auth.CurveServerConfig | None:
         """The CURVE server settings, or None for plain text."""
         if self.curve_secret is None or self.allow_dir is None:
             return None
-        return security.CurveServerConfig(Path(self.curve_secret), Path(self.allow_dir))
+        return auth.CurveServerConfig(Path(self.curve_secret), Path(self.allow_dir))

@@ -27,7 +27,8 @@ from collections.abc import Callable
 import numpy as np
 import zmq.asyncio
 
-from starsd import protocol, security, transport
+from starsd import protocol
+from starsd.hub import auth, router
 from starsd.hub.budget import PeerBudget
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
@@ -89,9 +90,9 @@ class Hub:
         self.q_in: FairQueue[DraftJob] = FairQueue()
         self.engine = DraftingEngine(proposer, self.q_in, self.table, self.lock, self.send,
                                      self.stats)  # fmt: skip
-        self.router: transport.Router | None = None  # set while serving
+        self.router: router.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
-        self.allow: security.AllowList | None = None
+        self.allow: auth.AllowList | None = None
         self.endpoint = ""
 
     @property
@@ -103,8 +104,8 @@ class Hub:
 
     async def serve(self, ctx: zmq.asyncio.Context) -> None:
         """Bind, run until ``stop()``, drain, then shut down cleanly and log the summary."""
-        auth = self._start_security(ctx)
-        self.router = sock = transport.router(ctx, self.config.bind, self.config.curve,
+        authenticator = self._start_security(ctx)
+        self.router = sock = router.bind_router(ctx, self.config.bind, self.config.curve,
                                               int(1000 * self.config.heartbeat_s))  # fmt: skip
         self.endpoint = sock.endpoint
         self.engine.start()
@@ -121,22 +122,22 @@ class Hub:
             self.q_in.close()
             await asyncio.to_thread(self.engine.thread.join)
             sock.close()
-            if auth is not None:
-                auth.stop()
+            if authenticator is not None:
+                authenticator.stop()
             self._log_summary()
 
     def stop(self) -> None:
         """Ask ``serve`` to drain and finish (safe from signal handlers on the loop)."""
         self.stopping.set()
 
-    def _start_security(self, ctx: zmq.asyncio.Context) -> security.CurveAuthenticator | None:
+    def _start_security(self, ctx: zmq.asyncio.Context) -> auth.CurveAuthenticator | None:
         curve = self.config.curve
         if curve is None:
-            security.check_plaintext_endpoint(self.config.bind,
+            auth.check_plaintext_endpoint(self.config.bind,
                                               allow_insecure=self.config.insecure)  # fmt: skip
             return None
-        self.allow = security.AllowList(curve.allow_dir)
-        return security.start_authenticator(ctx, self.allow)
+        self.allow = auth.AllowList(curve.allow_dir)
+        return auth.start_authenticator(ctx, self.allow)
 
     def _log_start(self) -> None:
         mode = (f"CURVE, {len(self.allow)} allowed target keys" if self.allow is not None
@@ -168,7 +169,7 @@ class Hub:
 
     # ------------------------------------------------------------------ event loop entry points
 
-    def on_messages(self, received_batch: list[transport.Received]) -> None:
+    def on_messages(self, received_batch: list[router.Received]) -> None:
         """The ROUTER reader's callback: handle each message and send its replies."""
         if self.allow is not None:
             self.allow.maybe_reload()

@@ -1,4 +1,4 @@
-"""The hub's ROUTER (transport.Router) under the hub's own traffic pattern, on loopback.
+"""The hub's ROUTER (starsd.hub.router.Router) under the hub's own traffic pattern, on loopback.
 
 libzmq's socket FD is edge-triggered: any send or receive may consume the notification of a
 message that arrived meanwhile. A Router that missed one would leave a client waiting forever,
@@ -14,6 +14,7 @@ import numpy as np
 import zmq
 
 from starsd import protocol, transport
+from starsd.hub.router import Received, bind_router
 from starsd.protocol import Ping, Pong
 
 CLIENTS = 6
@@ -40,12 +41,12 @@ async def test_every_client_gets_its_replies_when_a_worker_thread_answers() -> N
     while other clients' requests keep arriving (the lockstep test below is the one that
     catches a lost wake-up; here later arrivals would mask it)."""
     ctx = transport.new_context()
-    router = transport.router(ctx, "tcp://127.0.0.1:*")
+    router = bind_router(ctx, "tcp://127.0.0.1:*")
     work: list[tuple[bytes, int]] = []
     ready = threading.Condition()
     stopping = threading.Event()
 
-    def on_batch(batch: list[transport.Received]) -> None:
+    def on_batch(batch: list[Received]) -> None:
         with ready:
             for received in batch:
                 msg = protocol.decode(received.frames)
@@ -83,12 +84,12 @@ async def test_a_lockstep_client_is_read_while_the_hub_keeps_sending_to_others()
     """The case that once left a target unread for a minute: its one request arrives while the
     hub is busy sending to someone else, and nothing else arrives after it to re-signal."""
     ctx = transport.new_context()
-    router = transport.router(ctx, "tcp://127.0.0.1:*")
+    router = bind_router(ctx, "tcp://127.0.0.1:*")
     sink, _ = transport.dealer(ctx, router.endpoint)
     peers: dict[str, bytes] = {}
     stopping = threading.Event()
 
-    def on_batch(batch: list[transport.Received]) -> None:
+    def on_batch(batch: list[Received]) -> None:
         for received in batch:
             msg = protocol.decode(received.frames)
             assert isinstance(msg, Ping)
@@ -118,7 +119,7 @@ async def test_a_lockstep_client_is_read_while_the_hub_keeps_sending_to_others()
 
 async def test_a_send_to_a_vanished_peer_is_reported_not_raised() -> None:
     ctx = transport.new_context()
-    router = transport.router(ctx, "tcp://127.0.0.1:*")
+    router = bind_router(ctx, "tcp://127.0.0.1:*")
     router.start(lambda batch: None)
     try:
         assert router.send(b"\x00no-such-peer", Pong(1)) is False

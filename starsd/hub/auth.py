@@ -1,8 +1,7 @@
-"""CURVE encryption and key-based authentication for the hub/target link.
+"""The hub's side of CURVE: the allow-list, the ZAP authenticator and the server socket setup.
 
-Keys are pyzmq certificate files (``zmq.auth.create_certificates``): ``NAME.key`` holds a public
-key, ``NAME.key_secret`` the key pair (mode 0600). The hub has one key pair; each target has its
-own; the hub's allow-list is a directory of the targets' public ``.key`` files.
+Server side only: the hub uses it, the targets never import it (their side is
+:mod:`starsd.curve_client`; key files, shared by both, are :mod:`starsd.keys`).
 
 Two checks, because ZAP only runs at the handshake:
 
@@ -34,23 +33,17 @@ Measured with pyzmq 27.3 / libzmq 4.3.5 (see also docs in SECURITY.md):
   False): with no handler running, every handshake then fails instead of passing.
 * ``configure_curve*(domain="*")`` only matches the EMPTY ZAP domain; this module registers the
   explicit domain :data:`ZAP_DOMAIN` and sets the same one on the server socket.
-* A rejected client receives nothing; its socket monitor reports HANDSHAKE_FAILED_AUTH (value 400)
-  once and libzmq does NOT reconnect. A client without CURVE sees HANDSHAKE_FAILED_PROTOCOL
-  (ZMTP mechanism mismatch), also once. A client holding the wrong hub public key sees
-  HANDSHAKE_FAILED_NO_DETAIL and then reconnects every ~100 ms, failing each time.
-* ``zmq.auth.create_certificates`` writes the secret file with the process umask (0644 here);
-  :func:`generate_keypair` writes it 0600 instead.
+* What a refused client sees is described in :mod:`starsd.curve_client`.
+
+The plain-text guard (:func:`check_plaintext_endpoint`, :func:`is_loopback`) lives here too: only
+the hub binds, so only the hub decides whether its endpoint may go without CURVE.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import os
-import re
-import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -59,51 +52,21 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
-import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
-log = logging.getLogger("starsd.security")
+from starsd.keys import PUBLIC_SUFFIX, KeyFileError, load_certificate, load_keypair
+
+log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "starsd"
 """The ZAP domain the hub's server socket uses and the authenticator answers for."""
-
-PUBLIC_SUFFIX = ".key"
-SECRET_SUFFIX = ".key_secret"
-SECRET_MODE = 0o600
-PUBLIC_MODE = 0o644
-Z85_KEY_LEN = 40  # a 32-byte CURVE key in z85
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 # ---------------------------------------------------------------------------------- errors
 
 
-class KeyFileError(ValueError):
-    """A key file is missing, malformed, or of the wrong kind (public vs secret)."""
-
-
 class InsecureEndpointError(ValueError):
     """Plain text was requested on an endpoint other peers can reach."""
-
-
-class HandshakeError(ConnectionError):
-    """The connection to the hub did not reach an authenticated, encrypted state."""
-
-
-class HandshakeRejected(HandshakeError):
-    """The hub (or the ZMTP layer) refused the handshake; retrying will not help."""
-
-    def __init__(self, endpoint: str, event: str, detail: str) -> None:
-        super().__init__(f"handshake with {endpoint} failed ({event}): {detail}")
-        self.endpoint = endpoint
-        self.event = event
-
-
-class HandshakeTimeout(HandshakeError):
-    """No handshake outcome within the time allowed (hub down or unreachable?)."""
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -115,172 +78,6 @@ class CurveServerConfig:
 
     secret_key_file: Path
     allow_dir: Path
-
-
-@dataclass(frozen=True)
-class CurveClientConfig:
-    """Target side: its key pair file and the hub's public key file."""
-
-    secret_key_file: Path
-    server_public_key_file: Path
-
-
-@dataclass(frozen=True)
-class KeyPair:
-    """A CURVE key pair, both halves z85-encoded (40 ASCII bytes each)."""
-
-    public: bytes
-    secret: bytes
-
-
-@dataclass(frozen=True)
-class KeyInfo:
-    """What ``starsd keys list`` reports for one key name in a directory."""
-
-    name: str
-    public_key: str | None
-    public_file: Path | None
-    secret_file: Path | None
-    secret_mode: int | None
-    problem: str | None = None
-
-
-# ---------------------------------------------------------------------------------- key files
-
-
-def validate_name(name: str) -> str:
-    """Return ``name`` if it is a safe key name (letters, digits, ``._-``; no path parts)."""
-    if not _NAME_RE.fullmatch(name):
-        raise KeyFileError(
-            f"invalid key name {name!r}: use letters, digits, '.', '_' or '-' "
-            "(starting with a letter or digit, at most 100 characters)"
-        )
-    return name
-
-
-def key_paths(directory: Path, name: str) -> tuple[Path, Path]:
-    """``(public, secret)`` file paths for key ``name`` in ``directory``."""
-    validate_name(name)
-    return directory / f"{name}{PUBLIC_SUFFIX}", directory / f"{name}{SECRET_SUFFIX}"
-
-
-def generate_keypair(directory: Path, name: str, *, force: bool = False) -> tuple[Path, Path]:
-    """Write ``NAME.key`` (0644) and ``NAME.key_secret`` (0600) into ``directory``.
-
-    The pair is made by ``zmq.auth.create_certificates`` inside a private (0700) temporary
-    directory next to the destination, given its final modes there, then linked into place: the
-    secret is never readable by others, and without ``force`` an existing file is never
-    replaced (``FileExistsError``), even by a concurrent writer.
-    """
-    public_dst, secret_dst = key_paths(directory, name)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not force:
-        existing = [p for p in (public_dst, secret_dst) if p.exists()]
-        if existing:
-            verb = "exists" if len(existing) == 1 else "exist"
-            names = " and ".join(map(str, existing))
-            raise FileExistsError(f"{names} already {verb}; use --force to replace")
-    with tempfile.TemporaryDirectory(prefix=".starsd-keys-", dir=directory) as tmp:
-        public_src, secret_src = (Path(p) for p in zmq.auth.create_certificates(tmp, name))
-        os.chmod(secret_src, SECRET_MODE)
-        os.chmod(public_src, PUBLIC_MODE)
-        _install(secret_src, secret_dst, force=force)
-        try:
-            _install(public_src, public_dst, force=force)
-        except FileExistsError:
-            secret_dst.unlink()  # lost a race on the public half: leave no orphan secret
-            raise
-    return public_dst, secret_dst
-
-
-def _install(src: Path, dst: Path, *, force: bool) -> None:
-    if force:
-        os.replace(src, dst)
-    else:
-        os.link(src, dst)  # atomic, and fails if dst exists
-
-
-def load_keypair(path: Path) -> KeyPair:
-    """Load a secret certificate (``NAME.key_secret``); checks both halves belong together."""
-    public, secret = _load_certificate(path)
-    if secret is None:
-        raise KeyFileError(
-            f"{path} holds only a public key; pass the secret file (NAME{SECRET_SUFFIX})"
-        )
-    _check_z85_key(path, secret)
-    if zmq.curve_public(secret) != public:
-        raise KeyFileError(f"{path}: public and secret key do not belong together")
-    _warn_if_exposed(path)
-    return KeyPair(public=public, secret=secret)
-
-
-def load_public_key(path: Path, *, warn_if_secret: bool = True) -> bytes:
-    """Load the z85 public key from a certificate file (a public or a secret one).
-
-    A file that also holds a secret key is logged as a warning (it was handed to the wrong
-    side) unless ``warn_if_secret`` is False.
-    """
-    public, secret = _load_certificate(path)
-    if secret is not None and warn_if_secret:
-        log.warning("%s contains a SECRET key; only its public half is used here. Give this "
-                    "side the public file (NAME%s) instead.", path, PUBLIC_SUFFIX)  # fmt: skip
-    return public
-
-
-def _load_certificate(path: Path) -> tuple[bytes, bytes | None]:
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except OSError as exc:
-        raise KeyFileError(f"cannot read key file {path}: {exc}") from exc
-    except ValueError as exc:
-        raise KeyFileError(f"{path} is not a ZeroMQ certificate: {exc}") from exc
-    _check_z85_key(path, public)
-    return public, secret
-
-
-def _check_z85_key(path: Path, key: bytes) -> None:
-    try:
-        ok = len(key) == Z85_KEY_LEN and len(z85.decode(key)) == 32
-    except (ValueError, KeyError, TypeError):
-        ok = False
-    if not ok:
-        raise KeyFileError(f"{path}: not a valid z85 CURVE key ({len(key)} characters)")
-
-
-def _warn_if_exposed(path: Path) -> None:
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        log.warning("secret key file %s has mode %04o: others may read it (chmod 600 %s)",
-                    path, mode, path)  # fmt: skip
-
-
-def list_keys(directory: Path) -> list[KeyInfo]:
-    """Every key name in ``directory`` with its public key and whether a secret file exists."""
-    suffixes = (PUBLIC_SUFFIX, SECRET_SUFFIX)
-    names = sorted({p.name.removesuffix(SECRET_SUFFIX).removesuffix(PUBLIC_SUFFIX)
-                    for p in directory.iterdir()
-                    if p.is_file() and p.name.endswith(suffixes)})  # fmt: skip
-    return [_key_info(directory, name) for name in names]
-
-
-def _key_info(directory: Path, name: str) -> KeyInfo:
-    public_file = directory / f"{name}{PUBLIC_SUFFIX}"
-    secret_file = directory / f"{name}{SECRET_SUFFIX}"
-    pub_path = public_file if public_file.is_file() else None
-    sec_path = secret_file if secret_file.is_file() else None
-    mode = stat.S_IMODE(sec_path.stat().st_mode) if sec_path else None
-    public_key: str | None = None
-    problem: str | None = None
-    try:
-        keys = [_load_certificate(p)[0] for p in (pub_path, sec_path) if p is not None]
-        public_key = keys[0].decode("ascii")
-        if len(set(keys)) > 1:
-            problem = "public and secret files hold different keys"
-    except KeyFileError as exc:
-        problem = str(exc)
-    if problem is None and mode is not None and mode & 0o077:
-        problem = f"secret file mode {mode:04o} is readable by others"
-    return KeyInfo(name, public_key, pub_path, sec_path, mode, problem)
 
 
 # ---------------------------------------------------------------------------------- allow-list
@@ -393,7 +190,7 @@ class AllowList:
         names: dict[str, str] = {}
         for path in files:
             try:
-                public, secret = _load_certificate(path)
+                public, secret = load_certificate(path)
             except KeyFileError as exc:
                 log.warning("allow list: skipping %s", exc)
                 continue
@@ -462,7 +259,7 @@ class CurveAuthenticator:
         self.allow = allow
         self.domain = domain
         self._auth: ThreadAuthenticator | None = ThreadAuthenticator(
-            ctx, log=logging.getLogger("starsd.security.zap")
+            ctx, log=logging.getLogger("starsd.hub.auth.zap")
         )
 
     def start(self) -> None:
@@ -530,17 +327,6 @@ def secure_server(
     return pair.public.decode("ascii")
 
 
-def secure_client(sock: zmq.Socket[Any], cfg: CurveClientConfig) -> str:
-    """Make ``sock`` a CURVE client of the hub whose public key is given; returns its own
-    public key (z85), the User-Id the hub will see. Call BEFORE ``connect``."""
-    pair = load_keypair(cfg.secret_key_file)
-    server_key = load_public_key(cfg.server_public_key_file)
-    sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, pair.secret)
-    return pair.public.decode("ascii")
-
-
 def user_id(frame: zmq.Frame) -> str | None:
     """The authenticated peer's z85 public key from a frame received with ``copy=False``.
 
@@ -560,129 +346,6 @@ def peer_address(frame: zmq.Frame) -> str | None:
         return str(frame.get("Peer-Address")) or None
     except zmq.ZMQError:
         return None
-
-
-# ---------------------------------------------------------------------------------- handshake
-
-
-_WATCH_EVENTS = (
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_CONNECTED
-    | zmq.EVENT_CONNECT_RETRIED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_MONITOR_STOPPED
-)
-
-_PROGRESS: dict[int, str] = {
-    zmq.EVENT_CONNECTED: "TCP connected, handshake pending",
-    zmq.EVENT_CONNECT_RETRIED: "connection refused, retrying",
-    zmq.EVENT_DISCONNECTED: "disconnected",
-}
-
-
-class HandshakeWatch:
-    """Watches one connecting socket's monitor for the outcome of its (CURVE) handshake.
-
-    Create it BEFORE ``connect`` (a handshake on loopback completes in about a millisecond and
-    a monitor attached later misses the success), then ``await wait()``::
-
-        watch = HandshakeWatch(sock)
-        sock.connect(endpoint)
-        await watch.wait(timeout_s=1.0)   # raises HandshakeRejected / HandshakeTimeout
-
-    ``wait`` closes the monitor whatever happens (``disable_monitor`` first, then the monitor
-    socket); ``close`` is also safe to call directly and more than once.
-    """
-
-    def __init__(self, sock: zmq.asyncio.Socket) -> None:
-        self.sock = sock
-        self._mon: zmq.asyncio.Socket | None = sock.get_monitor_socket(_WATCH_EVENTS)
-        self._last = "no connection yet"
-
-    async def wait(self, timeout_s: float = 1.0) -> None:
-        """Return on HANDSHAKE_SUCCEEDED; raise HandshakeRejected on HANDSHAKE_FAILED_*,
-        HandshakeTimeout if neither happens within ``timeout_s``."""
-        endpoint = self._endpoint()
-        try:
-            await asyncio.wait_for(self._until_outcome(endpoint), timeout_s)
-        except asyncio.TimeoutError:
-            raise HandshakeTimeout(
-                f"no handshake with {endpoint} within {timeout_s:g} s ({self._last}); "
-                "is the hub running and reachable?"
-            ) from None
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Stop monitoring: ``disable_monitor`` before closing the monitor socket."""
-        if self._mon is None:
-            return
-        mon, self._mon = self._mon, None
-        if not self.sock.closed:
-            self.sock.disable_monitor()
-        mon.close(linger=0)
-
-    async def _until_outcome(self, endpoint: str) -> None:
-        assert self._mon is not None, "HandshakeWatch already closed"
-        while True:
-            event = parse_monitor_message(await self._mon.recv_multipart())
-            kind, value = int(event["event"]), int(event["value"])
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                return
-            failure = _describe_failure(kind, value)
-            if failure is not None:
-                raise HandshakeRejected(endpoint, _event_name(kind), failure)
-            if kind == zmq.EVENT_MONITOR_STOPPED:
-                raise HandshakeError(f"socket to {endpoint} closed during the handshake")
-            self._last = _PROGRESS.get(kind, _event_name(kind))
-
-    def _endpoint(self) -> str:
-        try:
-            return self.sock.getsockopt_string(zmq.LAST_ENDPOINT) or "the hub"
-        except zmq.ZMQError:
-            return "the hub"
-
-
-def _describe_failure(kind: int, value: int) -> str | None:
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"the hub refused this key (ZAP status {value}): its public .key file is not in "
-                "the hub's allow dir, or was removed")  # fmt: skip
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return (f"protocol error {_event_name(value)}; a mechanism mismatch means one side uses "
-                "CURVE and the other plain text")  # fmt: skip
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return (f"the hub closed the handshake (errno {value}): wrong hub public key, or the "
-                "hub has no authenticator running")  # fmt: skip
-    return None
-
-
-def _event_name(value: int) -> str:
-    try:
-        return str(zmq.Event(value).name)
-    except ValueError:
-        return str(value)
-
-
-def watch_handshake(sock: zmq.asyncio.Socket) -> HandshakeWatch:
-    """Start watching ``sock``'s handshake; call BEFORE ``connect``. See :class:`HandshakeWatch`."""
-    return HandshakeWatch(sock)
-
-
-async def connect_verified(sock: zmq.asyncio.Socket, endpoint: str, timeout_s: float = 1.0) -> None:
-    """``connect`` and wait for the handshake outcome (raises like :meth:`HandshakeWatch.wait`).
-
-    On failure the socket is left connected (libzmq may keep retrying); close it.
-    """
-    watch = HandshakeWatch(sock)
-    try:
-        sock.connect(endpoint)
-    except zmq.ZMQError:
-        watch.close()
-        raise
-    await watch.wait(timeout_s)
 
 
 # ---------------------------------------------------------------------------------- endpoints

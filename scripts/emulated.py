@@ -1,6 +1,6 @@
 """Emulated targets: the real protocol to the real hub, with the target forward replaced.
 
-    python -m edge.emulated --hub tcp://HOST:5555 --model TARGET_DIR --targets 64 \
+    python scripts/emulated.py --hub tcp://HOST:5555 --model TARGET_DIR --targets 64 \
         --alpha 0.7 --verify-ms 5 --duration 5 --out emulated.json
 
 Each emulated target is its own DEALER connection with one sequence in flight. Instead of a
@@ -40,7 +40,7 @@ WARMUP_LIMIT_S = 60.0
 
 @dataclass(frozen=True)
 class EmulationConfig:
-    """What ``python -m edge.emulated`` is told."""
+    """What ``python scripts/emulated.py`` is told."""
 
     hub: str
     targets: int = 8
@@ -269,7 +269,7 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], spans: list[Span])
 
 def parse_args(argv: list[str] | None = None) -> EmulationConfig:
     """argparse -> EmulationConfig."""
-    p = argparse.ArgumentParser(prog="python -m edge.emulated", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/emulated.py", description=__doc__.split("\n")[0])
     p.add_argument("--hub", required=True)
     p.add_argument("--targets", type=int, default=EmulationConfig.targets)
     p.add_argument("--alpha", type=float, default=EmulationConfig.alpha)
@@ -292,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> EmulationConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m edge.emulated``."""
+    """Entry point of ``python scripts/emulated.py``."""
     cfg = parse_args(argv)
     result = transport.run_loop(emulate(cfg))
     text = json.dumps(result, indent=2)
