@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +19,13 @@ import zmq
 
 from starsd import protocol, transport
 from starsd.hub import auth
+from starsd.logsafe import Throttle
 
 log = logging.getLogger(__name__)
 
 PUMP_LIMIT = 1024  # messages per reader turn, so timers and deliveries get their turns too
+DEAF_S = 1.0  # after a send finds a peer's queue full, its replies are dropped this long
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum flags cost per call
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,11 @@ class Router:
         self.curve = curve
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_batch: Callable[[list[Received]], None] = _ignore
-        self._lock = threading.Lock()  # the socket, and whether a pump is scheduled
+        self._lock = threading.Lock()  # the socket, _scheduled, _deaf_until, _quiet, dropped
         self._scheduled = False
+        self._deaf_until: dict[bytes, float] = {}  # peers not reading, and until when
+        self._quiet = Throttle()  # a peer decides how often sends fail: one line per 10 s
+        self.dropped = 0  # replies that could not be sent (peer not reading, or gone)
 
     @property
     def endpoint(self) -> str:
@@ -79,18 +86,37 @@ class Router:
             self._watch()  # messages queued before the reader existed
 
     def send(self, peer: bytes, msg: protocol.Message) -> bool:
-        """Send ``msg`` to ``peer`` without blocking; False (and a log line) if it cannot go.
-        Any thread may call it."""
+        """Send ``msg`` to ``peer`` without blocking; False if it cannot go. Any thread.
+
+        A peer whose queue was full (it does not read) gets nothing for ``DEAF_S``: its replies
+        are dropped before they are encoded, so a flooder that never reads costs no sends.
+        """
+        with self._lock:
+            if self._deaf_until.get(peer, 0.0) > time.monotonic():
+                self.dropped += 1
+                return False
         try:
             self.send_frames(peer, protocol.encode(msg))
             return True
         except zmq.Again:
-            log.warning("peer %s is not reading (HWM reached): dropped %s", peer.hex(), _kind(msg))
+            self._dropped(peer, msg, "is not reading (HWM reached)", deaf=True)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            log.info("peer %s is gone: dropped %s", peer.hex(), _kind(msg))
+            self._dropped(peer, msg, "is gone", deaf=False)
         return False
+
+    def _dropped(self, peer: bytes, msg: protocol.Message, why: str, deaf: bool) -> None:
+        with self._lock:
+            self.dropped += 1
+            if deaf:
+                if len(self._deaf_until) > 10_000:  # routing ids come and go: bound the table
+                    self._deaf_until.clear()
+                self._deaf_until[peer] = time.monotonic() + DEAF_S
+            held = self._quiet.allow((peer, why))
+        if held is not None:
+            log.warning("peer %s %s: dropped %s (%d more since the last line)", peer.hex()[:10],
+                        why, _kind(msg), held)  # fmt: skip
 
     def send_frames(self, peer: bytes, frames: list[Any]) -> None:
         """Send raw frames without blocking (zmq.Again / EHOSTUNREACH propagate)."""
@@ -111,7 +137,7 @@ class Router:
         # Called with the lock held, on any thread.
         if self._scheduled or self._loop is None or self.sock.closed:
             return
-        if int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if _input_waiting(self.sock):
             self._scheduled = True
             self._loop.call_soon_threadsafe(self._pump)
 
@@ -128,7 +154,7 @@ class Router:
         # Reads while ZMQ_EVENTS shows input, rather than until a recv raises EAGAIN (an
         # exception per pump costs more than the check); the last check re-arms the FD.
         batch: list[Received] = []
-        while int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        while _input_waiting(self.sock):
             if len(batch) == limit:  # more waiting: another turn, after timers and others
                 self._watch()
                 break
@@ -141,6 +167,10 @@ class Router:
             key = auth.user_id(frames[0]) if self.curve else None
             batch.append(Received(bytes(frames[0].buffer), list(frames[1:]), key))
         return batch
+
+
+def _input_waiting(sock: zmq.Socket) -> bool:
+    return bool(int(sock.get(_EVENTS)) & _POLLIN)
 
 
 def _ignore(batch: list[Received]) -> None:
