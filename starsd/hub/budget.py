@@ -21,9 +21,9 @@ from dataclasses import dataclass
 class Rates:
     """Messages per second a peer may send, and the burst it may save up."""
 
-    base_per_s: float = 200.0  # HELLO, OPENs, PINGs, STATS: a target without sessions
+    base_per_s: float = 20.0  # HELLO, PINGs (one per heartbeat), STATS, re-opens
     per_session_per_s: float = 200.0  # rounds: a fast target makes ~50-100 per session
-    burst_s: float = 1.0  # seconds of its rate a peer may send at once
+    burst_s: float = 5.0  # seconds of its rate a peer may send at once (a 100-OPEN start)
 
 
 class PeerBudget:
