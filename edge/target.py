@@ -5,10 +5,11 @@
     python -m edge.target --standalone --prompt TEXT     # no hub: plain autoregressive decoding
 
 JSONL in: {"id": ..., "prompt": "...", "max_new_tokens": 32} (optional per line: "temperature",
-"top_k", "top_p", "seed" override the command line); out: {"id", "prompt", "text",
-"token_ids" (generated ids only), "stats": {"rounds", "accepted", "mean_accepted",
-"tokens_per_s"}}. Each sequence verifies the hub's proposals in one target forward per round;
-its output is exactly what the target alone would produce (greedy: token for token).
+"top_k", "top_p", "seed" override the command line; valid ranges: protocol.SamplingParams); out:
+{"id", "prompt", "text", "token_ids" (generated ids only), "stats": {"rounds", "accepted",
+"mean_accepted", "tokens_per_s"}}. Each sequence verifies the hub's proposals in one target
+forward per round; its output is exactly what the target alone would produce (greedy: token for
+token).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from starsd import curve_client, models, protocol, transport
 from starsd.protocol import SamplingParams
 
 log = logging.getLogger("edge.target")
+PROG = "python -m edge.target"
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def generate_standalone(seq: TargetSequence) -> TargetSequence:
 
 
 def load_requests(config: TargetConfig) -> list[Request]:
-    """The --prompt or the --prompts JSONL as requests."""
+    """The --prompt or the --prompts JSONL as requests; ValueError names the line at fault."""
     if config.prompt is not None:
         return [Request(0, config.prompt, config.max_new_tokens)]
     assert config.prompts is not None
@@ -119,26 +121,45 @@ def load_requests(config: TargetConfig) -> list[Request]:
     for line_no, line in enumerate(Path(config.prompts).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{config.prompts}:{line_no}: needs a string 'prompt'")
-        max_new = int(row.get("max_new_tokens", config.max_new_tokens))
-        sampling = _row_sampling(row, config, line_no - 1)
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError("needs a string 'prompt'")
+            max_new = _row_number(row, "max_new_tokens", config.max_new_tokens, int)
+            sampling = _row_sampling(row, config, line_no - 1)
+        except (ValueError, protocol.ProtocolError) as exc:
+            reason = exc.message if isinstance(exc, protocol.ProtocolError) else exc
+            raise ValueError(f"{config.prompts}:{line_no}: {reason}") from None
         requests.append(Request(row.get("id", line_no - 1), row["prompt"], max_new, sampling))
     return requests
 
 
 def _row_sampling(row: dict[str, Any], config: TargetConfig, index: int) -> SamplingParams | None:
+    """The line's own sampling, validated (ProtocolError names the field and its valid range)."""
     if not {"temperature", "top_k", "top_p", "seed"} & set(row):
         return None
     params = SamplingParams(
-        float(row.get("temperature", config.temperature)),
-        int(row.get("top_k", config.top_k)),
-        float(row.get("top_p", config.top_p)),
-        int(row.get("seed", config.seed + index)),
+        _row_number(row, "temperature", config.temperature, float),
+        _row_number(row, "top_k", config.top_k, int),
+        _row_number(row, "top_p", config.top_p, float),
+        _row_number(row, "seed", config.seed + index, int),
     )
     params.validate()
     return params
+
+
+def _row_number(row: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    """``row[key]`` (or ``default``) as a ``kind``: a JSON number, integral where ``kind`` is int
+    (50.0 is 50); ValueError otherwise (never a TypeError or OverflowError from a null, a string
+    or a 1e400)."""
+    value = row.get(key, default)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or (kind is int and isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{key} {value!r} is not {'an integer' if kind is int else 'a number'}")
+    try:
+        return kind(value)
+    except OverflowError:
+        raise ValueError(f"{key} {value!r} is out of range") from None
 
 
 def new_sequence(
@@ -228,7 +249,7 @@ def _log_summary(results: list[Result], wall: float) -> None:
 
 def parse_args(argv: list[str] | None = None) -> TargetConfig:
     """argparse -> TargetConfig."""
-    p = argparse.ArgumentParser(prog="python -m edge.target", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--hub", default=TargetConfig.hub, help="hub endpoint, tcp://HOST:PORT")
     p.add_argument("--model", default=str(models.DEFAULT_TARGET_DIR), help="target model dir")
     source = p.add_mutually_exclusive_group(required=True)
@@ -279,11 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("STARSD_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     config = parse_args(argv)
+    try:  # a bad line is refused like a bad option: before loading any model
+        requests = load_requests(config)
+    except (OSError, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     torch.set_num_threads(config.threads)
     target = models.load_causal_lm(config.model, config.device, config.dtype)
     started = time.perf_counter()
     try:
-        requests = load_requests(config)
         if config.standalone:
             results = run_standalone(config, target, requests)
         else:

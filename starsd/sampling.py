@@ -46,8 +46,19 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Sampling distribution [..., V] float32 for non-greedy ``params``."""
-    return process_logits(logits, params).softmax(dim=-1)
+    """Sampling distribution [..., V] float32 for non-greedy ``params``.
+
+    The logits are shifted so that each row's largest is 0 before dividing by the temperature:
+    softmax is shift-invariant, but unshifted a large |logit| / temperature overflows float32 to
+    inf and the softmax to NaN. Shifted, every score is <= 0 (at worst -inf, probability 0) and
+    the top one is exactly 0, so the row stays finite and normalised for any finite logits and
+    any temperature ``SamplingParams.validate`` accepts. (At temperature 1 the result is
+    bit-identical to the unshifted one: softmax subtracts the same max itself.)
+    """
+    logits = logits.float()
+    top = logits.amax(dim=-1, keepdim=True)
+    shifted = logits - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return process_logits(shifted, params).softmax(dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -23,6 +23,7 @@ from starsd.protocol import (
     ErrorCode,
     Hello,
     Open,
+    Opened,
     Ping,
     Pong,
     Proposal,
@@ -121,6 +122,27 @@ async def test_session_errors(raw, llama_target: models.LoadedModel) -> None:
     replies = [await target.recv(), await target.recv()]
     codes = sorted(type(r).__name__ + ":" + getattr(r, "code", "") for r in replies)
     assert codes in (["Error:BUSY", "Proposal:"], ["Error:OUT_OF_ORDER", "Proposal:"]), replies
+
+
+async def test_sampling_outside_the_valid_range_is_refused_at_open(
+    raw, llama_target: models.LoadedModel
+) -> None:
+    # temperatures of 1e-38, 1e-300, 5e-324 once opened sessions whose every draft failed on NaN
+    # probabilities (INTERNAL and a traceback per job); the edge of the range drafts normally
+    target = raw()
+    await target.hello(llama_target)
+    for temperature in (1e-38, 1e-300, 5e-324):
+        reply = await target.ask(Open(7, PROMPT, SamplingParams(temperature), 4))
+        assert isinstance(reply, Error) and reply.code == ErrorCode.INVALID_ARGUMENT, reply
+        assert reply.message.startswith(f"temperature {temperature!r} is out of range")
+        assert "[0.01, 100]" in reply.message
+    lowest = protocol.TEMPERATURE_MIN
+    for ref, params in enumerate([SamplingParams(lowest, seed=1),
+                                  SamplingParams(lowest, top_p=5e-324, seed=2)], 8):  # fmt: skip
+        await target.send(Open(ref, PROMPT, params, 4))
+        opened, proposal = await target.recv(), await target.recv()
+        assert isinstance(opened, Opened) and opened.ref == ref, opened
+        assert isinstance(proposal, Proposal) and len(proposal.tokens) == 4, proposal
 
 
 async def test_a_foreign_tag_is_forbidden_and_changes_nothing(

@@ -164,6 +164,11 @@ BAD_FRAMES = {
         _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": float("nan")},
                                "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
         ErrorCode.INVALID_ARGUMENT),
+    # a temperature of 1e-38 once decoded fine and the drafter then failed on NaN probabilities
+    "tiny temperature": ([
+        _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": 1e-38},
+                               "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
+        ErrorCode.INVALID_ARGUMENT),
 }  # fmt: skip
 
 
@@ -182,6 +187,49 @@ def test_sampling_params_semantics() -> None:
     assert not SamplingParams(1.0).truncated
     with pytest.raises(ProtocolError):
         SamplingParams(1.0, top_p=0.0).validate()
+
+
+# The valid ranges (SamplingParams' docstring), at and just outside each boundary. Temperatures
+# such as 1e-38, 1e-300 and 5e-324 once passed validate(): logits / temperature overflowed float32
+# (or divided by a float32 zero) and every draft failed on NaN probabilities (INTERNAL).
+_T_MIN, _T_MAX = protocol.TEMPERATURE_MIN, protocol.TEMPERATURE_MAX
+ACCEPTED_SAMPLING = [
+    SamplingParams(0.0), SamplingParams(-0.0), SamplingParams(_T_MIN), SamplingParams(_T_MAX),
+    SamplingParams(1.0, top_k=0), SamplingParams(1.0, top_k=protocol.TOP_K_MAX),
+    SamplingParams(1.0, top_p=5e-324), SamplingParams(1.0, top_p=1.0),
+    SamplingParams(1.0, seed=None), SamplingParams(1.0, seed=0),
+    SamplingParams(1.0, seed=(1 << 63) - 1),
+]  # fmt: skip
+REFUSED_SAMPLING = {
+    "temperature": [1e-38, 1e-300, 5e-324, -5e-324, math.nextafter(_T_MIN, 0.0),
+                    math.nextafter(_T_MAX, math.inf), -1.0, math.nan, math.inf, -math.inf],
+    "top_k": [-1, protocol.TOP_K_MAX + 1, 1 << 64, 2.0, True],
+    "top_p": [0.0, -0.0, -5e-324, math.nextafter(1.0, 2.0), math.nan, math.inf, -math.inf],
+    "seed": [-1, 1 << 63, 1.0],
+}  # fmt: skip
+VALID_RANGE = {"temperature": "0 (greedy) or in [0.01, 100]", "top_k": "[0, 1048576]",
+               "top_p": "(0, 1]", "seed": "[0, 2**63)"}  # fmt: skip
+
+
+@pytest.mark.parametrize("params", ACCEPTED_SAMPLING, ids=repr)
+def test_sampling_boundaries_are_accepted(params: SamplingParams) -> None:
+    params.validate()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [(field, value) for field, values in REFUSED_SAMPLING.items() for value in values],
+    ids=repr,
+)
+def test_sampling_just_outside_the_range_is_refused_naming_field_and_range(
+    field: str, value: object
+) -> None:
+    base = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
+    with pytest.raises(ProtocolError) as info:
+        SamplingParams(**{**base, field: value}).validate()
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    assert info.value.message.startswith(f"{field} "), info.value.message
+    assert VALID_RANGE[field] in info.value.message, info.value.message
 
 
 def test_features_and_empty_arrays_round_trip() -> None:

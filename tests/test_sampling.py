@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from starsd import sampling
+from starsd import protocol, sampling
 from starsd.protocol import SamplingParams
 
 # ------------------------------------------------------------------ logits processing
@@ -47,6 +47,50 @@ def test_top_k_and_top_p_shrink_the_support() -> None:
     probs = sampling.probs_from_logits(logits, SamplingParams(1.0, top_p=0.5))
     assert (probs > 0).sum() == 1  # the top token alone already holds > 50% of the mass
     torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+
+
+# Extremes of what SamplingParams.validate accepts. probs_from_logits divided the raw logits by
+# the temperature in float32: a large |logit| / temperature overflowed to inf and the softmax gave
+# NaN (the drafter then failed every job). Now the row's max is subtracted first.
+EXTREME_PARAMS = [
+    SamplingParams(protocol.TEMPERATURE_MIN),
+    SamplingParams(protocol.TEMPERATURE_MIN, top_p=5e-324),  # the smallest accepted top_p
+    SamplingParams(protocol.TEMPERATURE_MIN, top_k=protocol.TOP_K_MAX, top_p=5e-324),
+    SamplingParams(protocol.TEMPERATURE_MAX),
+    SamplingParams(1.0, top_p=5e-324),
+]
+F32_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("params", EXTREME_PARAMS, ids=repr)
+@pytest.mark.parametrize("scale", [1e4, F32_MAX], ids=["realistic 1e4", "float32 max"])
+def test_probs_stay_finite_and_normalised_at_the_extremes(
+    params: SamplingParams, scale: float
+) -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.rand(8, 3000, generator=gen) * 2 - 1) * scale  # |logit| up to ``scale``
+    logits[:, 0], logits[:, 1] = scale, -scale
+    logits[1] = -scale  # a row of equal logits at the bottom of the range
+    probs = sampling.probs_from_logits(logits, params)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(8))
+    assert (probs.argmax(-1)[2:] == 0).all()  # the top logit keeps the most mass
+    sampling.sample(probs, gen)  # multinomial accepts it
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(0.8, 50, 0.95),
+     SamplingParams(1.3, 5)],
+    ids=repr,
+)
+def test_the_shift_leaves_ordinary_distributions_as_they_were(params: SamplingParams) -> None:
+    logits = torch.randn(16, 500, generator=torch.Generator().manual_seed(2)) * 4
+    unshifted = sampling.process_logits(logits, params).softmax(dim=-1)
+    probs = sampling.probs_from_logits(logits, params)
+    if params.temperature == 1.0:  # softmax subtracts the same max itself: bit for bit
+        assert torch.equal(probs, unshifted)
+    torch.testing.assert_close(probs, unshifted, rtol=1e-5, atol=1e-7)
 
 
 # ------------------------------------------------------------------ greedy verification
