@@ -66,11 +66,17 @@ class Router:
         self.curve = curve
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_batch: Callable[[list[Received]], None] = _ignore
-        self._lock = threading.Lock()  # the socket, _scheduled, _deaf_until, _quiet, dropped
+        self._lock = threading.Lock()  # the socket and every field below
         self._scheduled = False
         self._deaf_until: dict[bytes, float] = {}  # peers not reading, and until when
         self._quiet = Throttle()  # a peer decides how often sends fail: one line per 10 s
-        self.dropped = 0  # replies that could not be sent (peer not reading, or gone)
+        self._dropped_count = 0  # replies that could not be sent (peer not reading, or gone)
+
+    @property
+    def dropped(self) -> int:
+        """Replies that could not be sent since start (peer not reading, or gone)."""
+        with self._lock:
+            return self._dropped_count
 
     @property
     def endpoint(self) -> str:
@@ -93,7 +99,7 @@ class Router:
         """
         with self._lock:
             if self._deaf_until.get(peer, 0.0) > time.monotonic():
-                self.dropped += 1
+                self._dropped_count += 1
                 return False
         try:
             self.send_frames(peer, protocol.encode(msg))
@@ -108,7 +114,7 @@ class Router:
 
     def _dropped(self, peer: bytes, msg: protocol.Message, why: str, deaf: bool) -> None:
         with self._lock:
-            self.dropped += 1
+            self._dropped_count += 1
             if deaf:
                 if len(self._deaf_until) > 10_000:  # routing ids come and go: bound the table
                     self._deaf_until.clear()

@@ -379,7 +379,9 @@ class Hub:
 
     def _log_stats(self) -> None:
         with self.lock:
-            log.info(self.stats.line(len(self.table.sessions), len(self.table.peers)))
+            dropped = self.router.dropped if self.router is not None else 0
+            log.info("%s replies_dropped=%d", self.stats.line(len(self.table.sessions),
+                                                              len(self.table.peers)), dropped)
             for peer in self.table.peers.values():
                 if peer.stats.jobs:
                     log.info(peer.stats.line())
