@@ -210,8 +210,10 @@ def test_three_targets_greedy_through_an_eagle_hub(tmp_path: Path) -> None:
                              tmp_path / f"out{i}.jsonl", "--concurrency", "2", "--deadline-ms",
                              "60000", max_new_tokens=32) for i in range(3)]  # fmt: skip
     rounds = accepted = 0
-    for t in targets:
-        for row in t.wait():
+    for i, t in enumerate(targets):
+        rows = t.wait()
+        assert [r["prompt"] for r in rows] == prompts[2 * i : 2 * i + 2]  # none lost
+        for row in rows:
             assert row["token_ids"] == reference(target_dir, row["prompt"], 32), row["prompt"]
             assert row["stats"]["standalone_steps"] == 0, row
             rounds += row["stats"]["rounds"]
