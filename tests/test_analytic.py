@@ -48,7 +48,11 @@ def test_regimes(n: int, regime: str, iteration_ms: float, idle_ms: float, syste
 
 
 def test_saturation_and_break_even() -> None:
+    """Catches N_full rounded down or to nearest (INPUTS alone gives exactly 4.0, which cannot
+    tell), a term left out of S + R, and break-even off by one or its standalone check lost."""
     assert analytic.saturation_point(INPUTS) == 4
+    # (2 + 5 + 1.5) / 2 = 4.25 -> 5; floor, round, or S + R without S or the link -> 4
+    assert analytic.saturation_point(ModelInputs(0.5, 4, 0.002, 0.005, 0.0015, 0.004)) == 5
     # at alpha 0.5 one target (242 tok/s) is already slower than standalone (250 tok/s)
     assert analytic.break_even_targets(INPUTS) == 0
     fast = ModelInputs(0.8, 4, 0.002, 0.005, 0.001, 0.004)

@@ -20,13 +20,16 @@ CONTRACT = {"mode", "n_targets", "system_tokens_per_s", "per_target_tokens_per_s
             "mean_accepted", "latency_ms", "bytes_per_round"}  # fmt: skip
 
 
-def test_accepted_count_follows_alpha() -> None:
+@pytest.mark.parametrize("alpha", [0.5, 0.8])
+def test_accepted_count_follows_alpha(alpha: float) -> None:
+    """Catches a wrong acceptance law: Binomial instead of stop-at-first-rejection, a cap
+    other than gamma, and (at 0.8: 0.5 cannot tell) accepting with probability 1 - alpha."""
     import random
 
     rng = random.Random(0)
-    draws = [accepted_count(rng, 0.5, 4) for _ in range(20_000)]
-    mean = sum(draws) / len(draws)
-    assert abs(mean - (analytic.expected_tokens_per_round(0.5, 4) - 1)) < 0.03
+    draws = [accepted_count(rng, alpha, 4) for _ in range(20_000)]
+    mean = sum(draws) / len(draws)  # standard error < 0.012 at either alpha
+    assert abs(mean - (analytic.expected_tokens_per_round(alpha, 4) - 1)) < 0.03
     assert max(draws) == 4 and min(draws) == 0
 
 
@@ -67,11 +70,68 @@ async def test_emulated_run_fills_the_json_contract(
     assert set(record) >= CONTRACT
     assert all(record[k] is not None for k in CONTRACT)
     assert record["mode"] == "emulated" and record["n_targets"] == 3
-    summary = bench_scale.saturation([record], inputs)
-    assert summary["n_full_measured"] == 3 and summary["n_full_model"] >= 1
-    single = {**record, "n_targets": 1}
-    steadiness = bench_scale.latency_steadiness([single], record, summary["n_full_model"])
-    assert steadiness["single_pair"] == steadiness["at_n_full"] == record["latency_ms"]["std"]
-    assert steadiness["one_to_one_same_machine"] == record["latency_ms"]["std"]
     assert len(report["token_latency_ms"]) == report["tokens_in_window"]
+
+
+# S(d) = 2 ms, R = 5 ms verify + 1.5 ms link: (S + R) / S = 4.25, so the model's N_full is 5.
+# Rounding down or to nearest, or leaving out S(d) or the link, gives 4.
+SWEEP_INPUTS = analytic.ModelInputs(0.7, 4, 0.002, 0.005, 0.0015, 0.008)
+
+
+def _run(n: int, busy: float, system: float, predicted: float, one_s: float, std: float,
+         mean: float) -> dict:  # fmt: skip
+    return {"n_targets": n, "hub_busy_fraction": busy, "system_tokens_per_s": system,
+            "predicted_system_tokens_per_s": predicted, "predicted_one_s_tokens_per_s": one_s,
+            "latency_ms": {"std": std, "mean": mean}}  # fmt: skip
+
+
+# A sweep whose answers are known and differ from the trivial ones. Busy reaches 0.95 exactly
+# at N = 8 (0.949 at N = 4); prediction errors are +5%, -5%, +5%, 0, -20%, +10% (the largest
+# is below the prediction) and, for the one-S(d) prediction, 30% at N = 2.
+SWEEP = [
+    _run(1, 0.25, 105.0, 100.0, 100.0, 1.0, 10.0),
+    _run(2, 0.50, 190.0, 200.0, 190.0 / 1.3, 2.0, 10.0),
+    _run(4, 0.949, 420.0, 400.0, 400.0, 3.0, 12.0),
+    _run(8, 0.95, 400.0, 400.0, 400.0, 4.0, 16.0),
+    _run(16, 0.99, 400.0, 500.0, 400.0, 5.0, 20.0),
+    _run(32, 1.0, 440.0, 400.0, 400.0, 6.0, 24.0),
+]
+
+
+def test_saturation_on_a_known_sweep() -> None:
+    """Catches: the measured N_full read off the wrong step (the first or last run, > 0.95
+    instead of >= 0.95, a lower threshold), the model's N_full rounded the wrong way or missing
+    a term, "within one step" compared in N instead of in sweep steps, and a max prediction
+    error that drops the abs(), takes another run than the worst, or the other prediction."""
+    summary = bench_scale.saturation(SWEEP, SWEEP_INPUTS)
+    assert summary["n_full_measured"] == 8
+    assert summary["n_full_model"] == 5
+    # the same step: N = 8 is the first swept N >= 5 (in N they are 3 apart, not 1)
+    assert summary["n_full_within_one_step"] is True
+    assert summary["max_prediction_error"] == pytest.approx(0.2)
+    assert summary["max_prediction_error_one_s"] == pytest.approx(0.3)
+
+
+def test_saturation_when_the_hub_never_fills_or_fills_far_from_the_model() -> None:
+    """Catches: a sweep that never reaches busy 0.95 reported as saturating somewhere inside
+    it (its last N is the only honest answer), and a one-step check that always says yes."""
+    never = [{**r, "hub_busy_fraction": min(r["hub_busy_fraction"], 0.9)} for r in SWEEP]
+    assert bench_scale.saturation(never, SWEEP_INPUTS)["n_full_measured"] == 32
+    late = [{**r, "hub_busy_fraction": 1.0 if r["n_targets"] == 32 else 0.5} for r in SWEEP]
+    summary = bench_scale.saturation(late, SWEEP_INPUTS)
+    assert summary["n_full_measured"] == 32  # two steps past the model's (8)
+    assert summary["n_full_within_one_step"] is False
+
+
+def test_latency_steadiness_picks_the_runs_it_names() -> None:
+    """Catches: the N = 1 run, the run nearest N_full (N = 4 for N_full = 5, not the first
+    N >= 5) or the 1:1 record mixed up, and a coefficient of variation not std / mean of the
+    same record."""
+    one_to_one = {"n_targets": 5, "latency_ms": {"std": 7.0, "mean": 35.0}}
+    steadiness = bench_scale.latency_steadiness(SWEEP, one_to_one, 5)
+    assert steadiness == {
+        "single_pair": 1.0, "at_n_full": 3.0, "n_full_run": 4,
+        "one_to_one_same_machine": 7.0,
+        "cv_at_n_full": pytest.approx(0.25), "cv_one_to_one_same_machine": pytest.approx(0.2),
+    }  # fmt: skip
 

@@ -85,16 +85,22 @@ def test_three_targets_greedy_equal_target_alone(family: str, tmp_path: Path, st
 
 
 def test_seeded_sampling_is_reproducible(tmp_path: Path, start_hub) -> None:
+    """Catches: a seed that does not fix the output (two runs differ), and, with the third run
+    and the greedy reference, a target that ignores the seed (one fixed stream) or does not
+    sample at all (greedy output is reproducible too)."""
     target_dir, draft_dir = build_pair(tmp_path, "llama")
     hub = start_hub(draft_dir)
     prompts = _write_prompts(tmp_path / "in.jsonl", PROMPTS[:2])
-    extra = ("--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--seed", "7",
-             "--concurrency", "2")  # fmt: skip
-    first, second = _run_targets(
-        [_target_cmd(hub.endpoint, target_dir, prompts, tmp_path / f"s{i}.jsonl", *extra)
-         for i in range(2)], tmp_path)  # fmt: skip
-    assert [r["token_ids"] for r in first] == [r["token_ids"] for r in second]
-    assert all(len(r["token_ids"]) == 24 for r in first)
+    sampled = ("--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--concurrency", "2")
+    first, second, other = (
+        [r["token_ids"] for r in rows] for rows in _run_targets(
+            [_target_cmd(hub.endpoint, target_dir, prompts, tmp_path / f"s{i}.jsonl", *sampled,
+                         "--seed", str(seed)) for i, seed in enumerate((7, 7, 1000))],
+            tmp_path))  # fmt: skip
+    assert first == second
+    assert all(len(ids) == 24 for ids in first)
+    assert other != first
+    assert first != [_reference(target_dir, p, 24) for p in PROMPTS[:2]]
 
 
 def test_a_target_with_another_tokenizer_is_refused_at_hello(tmp_path: Path, start_hub) -> None:

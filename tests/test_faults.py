@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import HubProcess, TargetProcess, reference, wait_for, write_prompts
+from procs import HubProcess, TargetProcess, read_jsonl, reference, wait_for, write_prompts
 from relay import Relay
 from tiny_models import build_pair
 
@@ -43,9 +43,18 @@ def _target(tmp_path: Path, name: str, endpoint: str, pair: tuple[Path, Path],
                          *extra, max_new_tokens=LONG)  # fmt: skip
 
 
-def _check(rows: list[dict], expected: dict[str, list[int]]) -> None:
+def _check(target: TargetProcess, expected: dict[str, list[int]]) -> list[dict]:
+    """Wait for ``target``; its rows, each equal to the target alone.
+
+    Catches a target that loses a sequence as well as one that changes a token: without the
+    row count, a target that wrote no rows at all passed.
+    """
+    rows = target.wait()
+    given = read_jsonl(Path(target.cmd[target.cmd.index("--prompts") + 1]))
+    assert [r["prompt"] for r in rows] == [g["prompt"] for g in given]
     for row in rows:
         assert row["token_ids"] == expected[row["prompt"]], row["prompt"]
+    return rows
 
 
 def _since(log: str, pattern: str) -> float:
@@ -74,19 +83,17 @@ def test_killed_and_hung_targets_are_freed_and_others_stay_exact(
         assert freed_after < 3 * 0.3 + 2.0, freed_after  # 3 heartbeats, plus the reaper's tick
         rates = []
         for b in bystanders:
-            rows = b.wait()
-            _check(rows, expected)
-            rates += [r["stats"]["tokens_per_s"] for r in rows]
+            rates += [r["stats"]["tokens_per_s"] for r in _check(b, expected)]
         print(f"\n[fault] dead and hung targets freed after {freed_after:.2f} s; "
               f"bystander tok/s per sequence, in order: {rates}")  # fmt: skip
     finally:
         hung.proc.send_signal(signal.SIGCONT)
     # The hung target wakes up without its sessions: it rejoins, re-opens, and is still exact.
-    _check(hung.wait(), expected)
+    _check(hung, expected)
     assert "generation 2" in hung.text()
     # A restarted target (same prompts) is served like any other.
     killed.start()
-    _check(killed.wait(), expected)
+    _check(killed, expected)
     assert hub.stop() == 0
 
 
@@ -111,10 +118,8 @@ def test_hub_killed_and_restarted_targets_fall_back_then_resume(
             wait_for(t.log_path, r"generation 2", t.proc, timeout=15)
         print(f"\n[fault] targets resumed with the new hub {time.monotonic() - moved:.2f} s "
               "after it became reachable")  # fmt: skip
-        for t in targets:
-            rows = t.wait()
-            _check(rows, expected)
-        assert sum(r["stats"]["standalone_steps"] for t in targets for r in t.wait()) > 0
+        rows = [row for t in targets for row in _check(t, expected)]
+        assert sum(r["stats"]["standalone_steps"] for r in rows) > 0
     hub2.stop()
     assert re.search(r"jobs=[1-9]", hub2.text())  # the targets returned to speculation
 
@@ -136,7 +141,7 @@ def test_hub_sigterm_drains_and_targets_finish_alone(
     assert time.monotonic() - started < 5 + 3  # the drain timeout, plus start-up slack
     assert "draining" in hub.text() and "hub stopped" in hub.text()
     for t in targets:
-        _check(t.wait(), expected)
+        _check(t, expected)
         assert "SHUTTING_DOWN" in t.text()
 
 
@@ -153,6 +158,6 @@ def test_delayed_link_with_drops(
             time.sleep(0.7)
             link.cut()
         for t in targets:
-            _check(t.wait(), expected)
+            _check(t, expected)
         assert link.cuts >= 2
     assert hub.stop() == 0

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_hub import _greedy_reference
 
 from edge.client import HubClient, TargetInfo
-from edge.speculate import generate_speculative
+from edge.speculate import Fallback, generate_speculative
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
 from starsd import models, protocol, transport
@@ -70,11 +70,18 @@ async def test_duplicate_and_reordered_drafts_never_apply_twice(
 async def test_client_ignores_duplicate_and_stale_proposals(
     running_hub: RunningHub, llama_target: models.LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Catches a client that verifies a duplicate or a stale proposal (drops the seq check).
+
+    Greedy output equals the target alone whatever gets verified, so the output cannot show
+    it; the round count can: one verification per distinct proposal, no more.
+    """
     deliver = HubClient._deliver
+    proposals: set[int] = set()  # the seqs the hub really sent
 
     def twice(self: HubClient, key: int | bytes, msg: protocol.Message) -> None:
         deliver(self, key, msg)
         if isinstance(msg, Proposal):  # every proposal twice, then a stale one
+            proposals.add(msg.seq)
             deliver(self, key, msg)
             deliver(self, key, Proposal(msg.tag, msg.seq - 1, msg.tokens[::-1]))
 
@@ -84,12 +91,14 @@ async def test_client_ignores_duplicate_and_stale_proposals(
     client = HubClient(ctx, running_hub.endpoint, info)
     await client.connect()
     seq = TargetSequence(llama_target, PROMPT.tolist(), SamplingParams(), 30)
+    # A deadline no round here comes near: every round is a verification, none a fallback.
     with ThreadPoolExecutor(1) as pool:
-        await generate_speculative(client, seq, 4, pool)
+        await generate_speculative(client, seq, 4, pool, Fallback(deadline_s=5.0))
     await client.aclose()
     ctx.term()
     assert seq.generated == _greedy_reference(llama_target, PROMPT.tolist(), 30)
-    assert seq.stats.rounds > 0
+    assert seq.stats.standalone_steps == 0
+    assert seq.stats.rounds == len(proposals) == max(proposals) + 1 > 1
 
 
 # ---------------------------------------------------------------------- leases, quotas, drain
@@ -98,20 +107,24 @@ async def test_client_ignores_duplicate_and_stale_proposals(
 async def test_a_silent_target_loses_its_sessions_after_its_lease(
     raw, running_hub: RunningHub, llama_target: models.LoadedModel
 ) -> None:
+    """Catches: a PING that does not renew the lease, a lease shorter than LEASE_INTERVALS
+    heartbeats, expiry that frees the wrong target's sessions, and a session that survives
+    its target's expiry."""
     hub = running_hub.hub
     silent, talking = raw(), raw()
-    for t in (silent, talking):
+    for t in (talking, silent):
         await t.hello(llama_target)
-    silent_tag, _ = await silent.open()
     talking_tag, _ = await talking.open(ref=2)
+    silent_tag, _ = await silent.open()  # the silent target's last message
+    await talking.ask(Ping(1))  # after it: without the PING, talking would be the older one
+    quiet_since = hub.table.peers[_routing_id(hub, silent_tag)].last_seen
+    renewed = hub.table.peers[_routing_id(hub, talking_tag)].last_seen
+    assert renewed > quiet_since
     lease = protocol.LIVENESS_INTERVALS * hub.config.heartbeat_s
-    talking_peer = hub.table.peers[_routing_id(hub, talking_tag)]
-    hub.table.clock = lambda: talking_peer.last_seen + 0.1
+    hub.table.clock = lambda: quiet_since + lease  # exactly at the lease: still alive
     assert hub.expire_leases() == 0
-    later = max(p.last_seen for p in hub.table.peers.values()) + lease + 0.01
-    await talking.ask(Ping(1))  # renews the talking target's lease only
-    hub.table.clock = lambda: later
-    talking_peer.last_seen = later
+    # Past the silent target's lease, within the talking one's only thanks to the PING.
+    hub.table.clock = lambda: (quiet_since + renewed) / 2 + lease
     assert hub.expire_leases() == 1
     assert silent_tag not in hub.sessions and talking_tag in hub.sessions
     reply = await silent.ask(Draft(silent_tag, 1, 0, PROMPT[:1]))

@@ -87,6 +87,7 @@ async def test_a_lockstep_client_is_read_while_the_hub_keeps_sending_to_others()
     router = bind_router(ctx, "tcp://127.0.0.1:*")
     sink, _ = transport.dealer(ctx, router.endpoint)
     peers: dict[str, bytes] = {}
+    noise_sent = [0]
     stopping = threading.Event()
 
     def on_batch(batch: list[Received]) -> None:
@@ -102,13 +103,21 @@ async def test_a_lockstep_client_is_read_while_the_hub_keeps_sending_to_others()
         while not stopping.wait(5e-5):  # drafting thread sends while the loop reads)
             if "sink" in peers:
                 router.send(peers["sink"], Pong(-1))
+                noise_sent[0] += 1
 
     router.start(on_batch)
     await sink.send_multipart(protocol.encode(Ping(-1)))
+    for _ in range(500):  # the noise needs the sink's routing id: without it nothing is sent
+        if "sink" in peers:
+            break
+        await asyncio.sleep(0.01)
     thread = threading.Thread(target=noise)
     thread.start()
     try:
         assert await asyncio.wait_for(_client(ctx, router.endpoint, 0, rounds=2000), 60.0) == 2000
+        # Without sends to others during the lockstep rounds this test cannot fail (it would
+        # pass with the bug it is about); make sure there were plenty.
+        assert noise_sent[0] >= 100, noise_sent
     finally:
         stopping.set()
         thread.join()
