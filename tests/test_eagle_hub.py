@@ -103,7 +103,7 @@ def trained_hub() -> hub_module.Hub:
     head = models.DEFAULT_TARGET_DIR.parent / "starsd-eagle"
     config = hub_module.HubConfig(model=str(head), draft_kind="eagle",
                                   target=str(models.DEFAULT_TARGET_DIR))  # fmt: skip
-    return hub_main.build_hub(config)
+    return hub_module.build_hub(config)
 
 
 def test_in_process_greedy_equals_target_alone(trained_hub: hub_module.Hub) -> None:
@@ -145,7 +145,7 @@ def quiet_hub(
     state = {k: v / 4 for k, v in eagle_state(target_dir).items()}
     head = write_head(tmp_path_factory.mktemp("eagle-quiet"), target_dir, state)
     config = hub_module.HubConfig(model=str(head), draft_kind="eagle", target=str(target_dir))
-    return hub_main.build_hub(config)
+    return hub_module.build_hub(config)
 
 
 def test_sampling_through_eagle_matches_the_target_distribution(
