@@ -4,8 +4,8 @@ The receive loop decodes every message at the boundary and routes it to the wait
 its ``ref`` (OPENED, errors before a tag exists) or its session tag (PROPOSAL, later errors).
 
 Liveness: the client PINGs every heartbeat interval the hub announced in WELCOME (that keeps its
-lease), and it considers the hub down when it has heard nothing for 3 intervals, when a reply
-carries another epoch (the hub restarted), or on NOT_WELCOMED / SHUTTING_DOWN. While the hub is
+lease), and it considers the hub down when it has heard nothing for LIVENESS_INTERVALS intervals,
+when a reply carries another epoch (the hub restarted), or on NOT_WELCOMED / SHUTTING_DOWN. While the hub is
 down, a background task re-sends HELLO every interval; each accepted WELCOME starts a new
 ``generation``, and sessions of older generations are gone. Sequences never wait for any of
 this: they read ``up`` and ``generation`` and decode on their own meanwhile (edge.speculate).
@@ -159,7 +159,7 @@ class HubClient:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             silent = time.monotonic() - self.last_heard
-            if self.up and silent > 3 * self.heartbeat_s:
+            if self.up and silent > protocol.LIVENESS_INTERVALS * self.heartbeat_s:
                 self.mark_down(f"nothing heard for {silent:.1f} s")
             if self.up:
                 await transport.send(self.sock, Ping(next(self._refs)))

@@ -7,9 +7,9 @@
 JSONL in: {"id": ..., "prompt": "...", "max_new_tokens": 32} (optional per line: "temperature",
 "top_k", "top_p", "seed" override the command line; valid ranges: protocol.SamplingParams); out:
 {"id", "prompt", "text", "token_ids" (generated ids only), "stats": {"rounds", "accepted",
-"mean_accepted", "tokens_per_s"}}. Each sequence verifies the hub's proposals in one target
-forward per round; its output is exactly what the target alone would produce (greedy: token for
-token).
+"mean_accepted", "standalone_steps", "tokens_per_s", "latency_ms"}}. Each sequence verifies
+the hub's proposals in one target forward per round; its output is exactly what the target alone
+would produce (greedy: token for token).
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from starsd.models import DTYPES  # one dtype table for every model we load
+
 EMBED_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
 IGNORED_HEAD_KEYS = frozenset({"embed_tokens.weight"})
