@@ -7,8 +7,9 @@ Liveness: the client PINGs every heartbeat interval the hub announced in WELCOME
 lease), and it considers the hub down when it has heard nothing for LIVENESS_INTERVALS intervals,
 when a reply carries another epoch (the hub restarted), or on NOT_WELCOMED / SHUTTING_DOWN.
 While the hub is down, a background task re-sends HELLO every interval; each accepted WELCOME
-starts a new ``generation``, and sessions of older generations are gone. Sequences never wait for any of
-this: they read ``up`` and ``generation`` and decode on their own meanwhile (edge.speculate).
+starts a new ``generation``, and sessions of older generations are gone. Sequences never wait
+for any of this: they read ``up`` and ``generation`` and decode on their own meanwhile
+(edge.speculate).
 """
 
 from __future__ import annotations
