@@ -277,8 +277,11 @@ def probe(args: argparse.Namespace) -> int:
     procs, out_dir = harness.Processes(), Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
+        # --hub-repo: the hub from another checkout (e.g. an older commit, for a before/after)
+        old = args.hub_repo
+        prefix = ["env", "-C", old, f"PYTHONPATH={old}"] if old else None
         hub, endpoint = harness.start_hub(procs, str(models.DEFAULT_DRAFT_DIR),
-                                          out_dir / "hostile-hub.log")  # fmt: skip
+                                          out_dir / "hostile-hub.log", prefix=prefix)  # fmt: skip
         outcomes = asyncio.run(_probe_all(args, endpoint, hub.pid, target, prompts))
     finally:
         procs.stop_all()
@@ -316,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--rounds", type=int, default=2)
     pr.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
     pr.add_argument("--out", default="results/hostile.json")
+    pr.add_argument("--hub-repo", help="run the hub from this checkout instead of this one")
     at = sub.add_parser("attack")
     at.add_argument("name", choices=list(ATTACKS))
     for flag, kind in (("--endpoint", str), ("--vocab", int), ("--tokenizer", str),

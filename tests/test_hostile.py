@@ -143,11 +143,27 @@ async def test_a_draft_refused_for_context_never_grows_the_session(
         tag, _ = await raw.open(np.arange(limit - 8, dtype=np.int32))
         state = hub.sessions[tag].state
         appended = np.zeros(16, dtype=np.int32)
-        for _ in range(200):
+        for _ in range(50):  # within the peer's message budget: each one answered
             reply = await raw.ask(Draft(tag, 1, 0, appended))
             assert isinstance(reply, Error) and reply.code == ErrorCode.CONTEXT_FULL, reply
+        frames = protocol.encode(Draft(tag, 1, 0, appended))
+        for _ in range(2000):  # and as fast as it goes (most are cut by the budget)
+            await raw.send_frames(frames)
+        await _until_pong(raw)  # all of them handled or dropped by now
         assert len(state.tokens) == limit - 8 and hub.sessions[tag].length == limit - 8
         raw.close()
+
+
+async def _until_pong(raw: RawTarget) -> None:
+    """PING until a PONG comes back (replies to earlier messages are read and skipped)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        await raw.send(Ping(77))
+        with contextlib.suppress(TimeoutError):
+            while not isinstance(reply := await raw.recv(timeout=1.0), Pong):
+                del reply
+            return
+    raise TimeoutError("no PONG within 30 s")
 
 
 # ---------------------------------------------------------------- 5: session hogs
