@@ -8,7 +8,10 @@ so these tests bound every wait and fail instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import zmq
@@ -17,6 +20,7 @@ from starsd import protocol, transport
 from starsd.hub.router import Received, bind_router
 from starsd.protocol import Ping, Pong
 
+REPO = Path(__file__).resolve().parent.parent
 CLIENTS = 6
 ROUNDS = 300
 
@@ -135,3 +139,37 @@ async def test_a_send_to_a_vanished_peer_is_reported_not_raised() -> None:
     finally:
         router.close()
         ctx.term()
+
+
+_STALLED_READER = """
+import sys, time, zmq
+sys.path.insert(0, sys.argv[1])
+from starsd import transport
+from starsd.hub.router import bind_router
+transport.HWM = 1000  # reached at once here; a PING flood reached the default in the hub too
+ctx = zmq.Context()
+router = bind_router(ctx, "tcp://127.0.0.1:*")
+for trial in range(3):
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.SNDHWM, 100_000)
+    peer.connect(router.endpoint)
+    for _ in range(50_000):
+        peer.send(b"x" * 64)
+    time.sleep(0.5)  # the hub is busy elsewhere: the peer's pipe fills, its input stops
+    peer.close(linger=0)  # ... and the peer vanishes while its input is stopped
+    time.sleep(1.5)  # the hub's timers run (a ZMTP heartbeat was every second)
+    while router.sock.poll(100):
+        router.sock.recv_multipart()
+print("alive")
+"""
+
+
+def test_a_peer_that_floods_then_vanishes_cannot_abort_the_hub() -> None:
+    """Catches: libzmq 4.3.5 asserts (!_io_error, stream_engine_base.cpp:310) and aborts the
+    process when a ZMTP heartbeat timer fires on a connection whose peer vanished while its
+    input was stopped at the receive high-water mark; any peer can arrange that with a flood.
+    The hub's ROUTER therefore sends no heartbeats of its own (targets' TTL still closes dead
+    connections). Seen to abort with heartbeats on the ROUTER."""
+    proc = subprocess.run([sys.executable, "-c", _STALLED_READER, str(REPO)], capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0 and "alive" in proc.stdout, (proc.returncode, proc.stderr[-2000:])

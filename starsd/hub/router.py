@@ -184,13 +184,17 @@ def _ignore(batch: list[Received]) -> None:
 
 
 def bind_router(
-    ctx: zmq.Context, endpoint: str, curve: auth.CurveServerConfig | None = None,
-    heartbeat_ms: int = transport.HEARTBEAT_MS,
-) -> Router:  # fmt: skip
+    ctx: zmq.Context, endpoint: str, curve: auth.CurveServerConfig | None = None
+) -> Router:
     """The hub's ROUTER socket, bound to ``endpoint`` (CURVE server when ``curve`` is given;
     the context must then run :func:`auth.start_authenticator` first)."""
     sock: zmq.Socket = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # sync: see Router
-    transport.common_options(sock, heartbeat_ms)
+    # No ZMTP heartbeats of the hub's own: libzmq 4.3.5 aborts the process (assert !_io_error,
+    # stream_engine_base.cpp:310) when a heartbeat timer fires on a connection whose peer
+    # vanished while its input was stopped at the high-water mark, which any peer can arrange
+    # (tests/test_router.py). Targets' DEALERs send heartbeats with a TTL, so the hub still
+    # closes a dead or hung target's connection; the application lease frees its sessions.
+    transport.common_options(sock, heartbeat_ms=0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH/EAGAIN instead of a silent drop
     # ROUTER_HANDOVER stays off: a new connection can never take over a live routing id.
     if curve is not None:

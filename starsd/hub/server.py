@@ -105,8 +105,7 @@ class Hub:
     async def serve(self, ctx: zmq.asyncio.Context) -> None:
         """Bind, run until ``stop()``, drain, then shut down cleanly and log the summary."""
         authenticator = self._start_security(ctx)
-        self.router = sock = router.bind_router(ctx, self.config.bind, self.config.curve,
-                                              int(1000 * self.config.heartbeat_s))  # fmt: skip
+        self.router = sock = router.bind_router(ctx, self.config.bind, self.config.curve)
         self.endpoint = sock.endpoint
         self.engine.start()
         self._log_start()
