@@ -181,12 +181,17 @@ def run_attack(name: str, a: Attack) -> int:
 # ---------------------------------------------------------------------------- measuring side
 
 
+class HubDied(RuntimeError):
+    """The hub process ended during an attack."""
+
+
 def rss_mb(pid: int) -> float:
-    """Resident set size of a process, MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """Resident set size of a process, MB; HubDied once it has exited."""
+    status = Path(f"/proc/{pid}/status")
+    for line in (status.read_text() if status.exists() else "").splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+    raise HubDied(f"process {pid} is gone")
 
 
 async def legit_tokens_per_s(endpoint: str, target: object, prompts: list[list[int]],
@@ -225,9 +230,12 @@ class Outcome:
     attacked_tok_s: list[float]
     outputs_identical: bool
     attacker_count: int
+    hub_died: bool = False
 
     @property
     def ratio(self) -> float:
+        if self.hub_died or not self.attacked_tok_s:
+            return 0.0
         return statistics.median(self.attacked_tok_s) / statistics.median(self.quiet_tok_s)
 
 
@@ -286,6 +294,9 @@ def probe(args: argparse.Namespace) -> int:
     finally:
         procs.stop_all()
     for o in outcomes:
+        if o.hub_died:
+            print(f"{o.attack:8s} THE HUB DIED")
+            continue
         print(f"{o.attack:8s} hub RSS +{o.rss_growth_mb:6.1f} MB   legit {o.ratio:.2f}x of quiet "
               f"(quiet {statistics.median(o.quiet_tok_s):.1f}, attacked "
               f"{statistics.median(o.attacked_tok_s):.1f} tok/s)   identical="
@@ -306,7 +317,12 @@ async def _probe_all(args: argparse.Namespace, endpoint: str, hub_pid: int, targ
     outcomes = []
     for name in args.attacks:
         print(f"[hostile] {name} ...", flush=True)
-        outcomes.append(await measure(name, a, hub_pid, legit, reference, rounds=args.rounds))
+        try:
+            outcomes.append(await measure(name, a, hub_pid, legit, reference, rounds=args.rounds))
+        except (HubDied, OSError, TimeoutError) as exc:  # the hub is gone: nothing more to run
+            print(f"[hostile] {name}: the hub died ({exc})", flush=True)
+            outcomes.append(Outcome(name, 0.0, [], [], False, 0, hub_died=True))
+            break
     return outcomes
 
 
