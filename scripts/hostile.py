@@ -231,6 +231,7 @@ class Outcome:
     outputs_identical: bool
     attacker_count: int
     hub_died: bool = False
+    attacked_standalone_steps: int = 0  # tokens the legitimate target decoded without the hub
 
     @property
     def ratio(self) -> float:
@@ -251,7 +252,7 @@ async def measure(name: str, a: Attack, hub_pid: int, legit: Callable, reference
                   rounds: int = 2) -> Outcome:  # fmt: skip
     """Alternate quiet and attacked runs of ``legit`` (``rounds`` each) around one attack
     process per attacked run; track the hub's peak RSS while attacks run."""
-    quiet, attacked, identical, count = [], [], True, 0
+    quiet, attacked, identical, count, alone = [], [], True, 0, 0
     peak = base = rss_mb(hub_pid)
     for _ in range(rounds):
         tok_s, outputs, _ = await legit()
@@ -266,11 +267,13 @@ async def measure(name: str, a: Attack, hub_pid: int, legit: Callable, reference
             await asyncio.sleep(0.05)
             if run.done() and proc.returncode is None:
                 await asyncio.wait_for(proc.wait(), a.seconds + 30)
-        tok_s, outputs, _ = run.result()
+        tok_s, outputs, steps = run.result()
         attacked.append(tok_s)
+        alone += steps
         identical &= outputs == reference
         count += int((await proc.stdout.read()).decode().strip() or 0)  # type: ignore[union-attr]
-    return Outcome(name, peak - base, quiet, attacked, identical, count)
+    return Outcome(name, peak - base, quiet, attacked, identical, count,
+                   attacked_standalone_steps=alone)
 
 
 def probe(args: argparse.Namespace) -> int:
@@ -299,7 +302,8 @@ def probe(args: argparse.Namespace) -> int:
             continue
         print(f"{o.attack:8s} hub RSS +{o.rss_growth_mb:6.1f} MB   legit {o.ratio:.2f}x of quiet "
               f"(quiet {statistics.median(o.quiet_tok_s):.1f}, attacked "
-              f"{statistics.median(o.attacked_tok_s):.1f} tok/s)   identical="
+              f"{statistics.median(o.attacked_tok_s):.1f} tok/s, {o.attacked_standalone_steps} "
+              f"tokens without the hub)   identical="
               f"{'yes' if o.outputs_identical else 'NO'}   attacker made {o.attacker_count}")
     Path(args.out).write_text(json.dumps([{**vars(o), "ratio": o.ratio} for o in outcomes],
                                          indent=1))  # fmt: skip
