@@ -91,7 +91,9 @@ def link_round_ms(cfg: BenchConfig, procs: Processes, work: Path, info: TargetIn
 
 def _null_hub(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | None
               ) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
-    return start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null", cpus=cpus)
+    # No message budget: the probes send PINGs and rounds back to back, as no target does.
+    return start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null",
+                     "--peer-budget", "0", cpus=cpus)  # fmt: skip
 
 
 def _hello(info: TargetInfo) -> Hello:

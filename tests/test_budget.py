@@ -64,3 +64,16 @@ def test_throttle_lets_one_line_through_per_interval_and_counts_the_rest() -> No
     assert quiet.allow("b") == 0
     clock.now += 10
     assert quiet.allow("a") == 5
+
+
+def test_accepted_work_is_refunded_so_a_fast_target_is_never_cut() -> None:
+    """Catches: a budget that counts accepted DRAFTs, which would cut a fast target's rounds
+    (a null-drafter round trip runs thousands per second), and a refund past the burst."""
+    clock = Clock()
+    budget = PeerBudget(Rates(base_per_s=10, per_session_per_s=0, burst_s=1.0), clock)
+    for _ in range(5000):
+        assert budget.take(b"fast", 1)
+        budget.refund(b"fast")
+    assert _drain(budget, b"fast", 1, 100) == 10  # refunds never raised it past the burst
+    off = PeerBudget(Rates(enabled=False), clock)
+    assert _drain(off, b"x", 0, 10_000) == 10_000

@@ -43,6 +43,10 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--drain-timeout-s", type=float, default=HubConfig.drain_timeout_s)
     p.add_argument("--curve-secret", help="the hub's key pair (starsd keys generate)")
     p.add_argument("--allow-dir", help="directory of allowed targets' public .key files")
+    p.add_argument("--peer-budget", type=float, default=HubConfig.peer_budget,
+                   help="messages per second a connection may send besides accepted DRAFTs, "
+                        "plus as many per session it holds (5 s of burst); the excess is "
+                        "dropped unread. 0: no limit (benchmarks of the bare message path)")
     p.add_argument("--insecure", action="store_true",
                    help="allow plain text on a non-loopback --bind (trusted networks only)")
     config = HubConfig(**vars(p.parse_args(argv)))

@@ -29,6 +29,7 @@ class HubConfig:
     curve_secret: str | None = None
     allow_dir: str | None = None
     insecure: bool = False  # allow plain text on a non-loopback bind
+    peer_budget: float = 50.0  # messages/s a peer may send besides accepted DRAFTs (0: no limit)
 
     @property
     def curve(self) -> auth.CurveServerConfig | None:

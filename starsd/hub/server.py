@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from starsd import protocol
 from starsd.hub import auth, router
-from starsd.hub.budget import PeerBudget
+from starsd.hub.budget import PeerBudget, Rates
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.engine import DraftingEngine
@@ -85,7 +85,8 @@ class Hub:
         self.lock = threading.Lock()  # guards table and stats: event loop vs drafting thread
         self.table = SessionTable(limits_of(config, welcome, proposer.max_positions))
         self.stats = HubStats()
-        self.budget = PeerBudget()  # each peer's share of the reading
+        self.budget = PeerBudget(Rates(config.peer_budget, config.peer_budget,
+                                       enabled=config.peer_budget > 0))  # fmt: skip
         self.quiet = Throttle()  # log lines a peer can trigger at will: one per 10 s per kind
         self.q_in: FairQueue[DraftJob] = FairQueue()
         self.engine = DraftingEngine(proposer, self.q_in, self.table, self.lock, self.send,
@@ -312,6 +313,7 @@ class Hub:
                 return [Opened(ref=msg.ref, tag=session.tag)]
             case Draft():
                 session = self.table.draft(peer, msg)
+                self.budget.refund(peer.routing_id)  # accepted work is bounded already
                 appended = tuple(msg.appended.tolist())
                 self._enqueue(session, msg.seq, msg.accepted, appended, msg.features)
                 return []
