@@ -229,6 +229,33 @@ def unfinished(endpoint: str, frames: int, frame_bytes: int, connections: int = 
     return peers
 
 
+def unfinished_handshake(endpoint: str, command_bytes: int, connections: int = 1,
+                         mechanism: bytes = b"CURVE") -> list[socket.socket]:  # fmt: skip
+    """Open ``connections`` raw connections that greet with ``mechanism`` and then send all
+    but the last byte of one ``command_bytes`` handshake command: what an unauthenticated peer
+    can make a CURVE hub hold. Returns the sockets, still open."""
+    connections = min(connections, MAX_CONNECTIONS)
+    if connections * command_bytes > MAX_BYTES:
+        raise ValueError("more than MAX_BYTES in one attack")
+    chunk = b"\x00" * min(command_bytes, 1 << 20)
+    socks = []
+    for _ in range(connections):
+        sock = socket.create_connection(parse_endpoint(endpoint), timeout=30)
+        socks.append(sock)
+        try:
+            sock.sendall(greeting(mechanism))
+            _exact(sock, GREETING_BYTES)
+            sock.sendall(bytes((_COMMAND | _LONG,)) + struct.pack(">Q", command_bytes))
+            left = command_bytes - 1
+            while left:
+                n = min(left, len(chunk))
+                sock.sendall(chunk[:n])
+                left -= n
+        except OSError:  # dropped: the command is over the hub's limit, or the hub is full
+            pass
+    return socks
+
+
 def _send_long(peer: RawPeer, size: int, chunk: bytes, more: bool) -> bool:
     try:
         peer.sock.settimeout(30)
@@ -286,6 +313,8 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--start", help="collide: first counter value (hex); default the natural one")
     p.add_argument("--late", action="store_true", help="collide: raw peers, READY after the hub's")
+    p.add_argument("--handshake", action="store_true",
+                   help="unfinished: a CURVE handshake command of --frame-bytes instead")
     args = p.parse_args(argv)
     pid = args.hub_pid
     before = rss_mb(pid) if pid else None
@@ -297,6 +326,14 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"holding {len(claims)} claimed ids {claims[0].hex()}..{claims[-1].hex()} "
                   f"for {args.seconds} s")  # fmt: skip
             time.sleep(args.seconds)
+    elif args.attack == "unfinished" and args.handshake:
+        socks = unfinished_handshake(args.endpoint, args.frame_bytes, args.connections)
+        time.sleep(0.5)
+        peak = rss_mb(pid) if pid else None
+        time.sleep(max(0.0, args.seconds - 0.5))
+        for sock in socks:
+            sock.close()
+        print(f"{len(socks)} connections x one unfinished {args.frame_bytes} B handshake command")
     elif args.attack == "unfinished":
         peers = unfinished(args.endpoint, args.frames, args.frame_bytes, args.connections,
                            args.seconds)  # fmt: skip

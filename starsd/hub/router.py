@@ -185,16 +185,17 @@ HUB_MAX_FRAME_BYTES = protocol.MAX_FRAME_BYTES + protocol.MAX_HEADER_BYTES
 a frame just over it still gets a TOO_LARGE reply rather than a silent drop)."""
 HUB_RCVHWM = 1000  # complete messages queued per connection (a target: sessions + a few)
 HUB_SNDHWM = 1000  # replies queued per connection (a session has one proposal in flight)
-HUB_HANDSHAKE_MS = 5000  # a peer that has not finished its handshake by then is dropped
+HUB_HANDSHAKE_MS = auth.HANDSHAKE_MS  # a peer that has not finished its handshake is dropped
 
 
 def bind_router(
     ctx: zmq.Context, endpoint: str, curve: auth.CurveServerConfig | None = None,
     heartbeat_ms: int = transport.HEARTBEAT_MS, max_frame_bytes: int = HUB_MAX_FRAME_BYTES,
+    limits: auth.ConnectionLimits = auth.DEFAULT_LIMITS,
 ) -> Router:  # fmt: skip
     """The hub's ROUTER socket, bound to ``endpoint`` (CURVE server when ``curve`` is given;
-    the context must then run :func:`auth.start_authenticator` first; in plain text this
-    starts one, stopped by :meth:`Router.close`).
+    the context must then run :func:`auth.start_authenticator` first, whose ``limits`` apply;
+    in plain text this starts one with ``limits``, stopped by :meth:`Router.close`).
 
     Every handshake goes through that ZAP handler, which gives each connection a random
     routing id of its own (never the one the peer asks for) and holds the connections to
@@ -203,7 +204,7 @@ def bind_router(
     ``max_frame_bytes`` drop the connection before they are buffered
     (:func:`hub_max_frame_bytes` sizes it to what a hub can legitimately receive).
     """
-    guard = auth.start_authenticator(ctx, None) if curve is None else None
+    guard = auth.start_authenticator(ctx, None, limits=limits) if curve is None else None
     try:
         gate = auth.running_on(ctx)
         seed_routing_ids()
@@ -224,9 +225,9 @@ def bind_router(
         if guard is not None:
             guard.stop()
         raise
-    limits = _limits_text(gate.limits) if gate is not None else "any number of connections"
+    held = _limits_text(gate.limits) if gate is not None else "any number of connections"
     log.info("hub socket: frames up to %d B, RCVHWM %d, handshake within %d ms, at most %s",
-             max_frame_bytes, HUB_RCVHWM, HUB_HANDSHAKE_MS, limits)  # fmt: skip
+             max_frame_bytes, HUB_RCVHWM, HUB_HANDSHAKE_MS, held)  # fmt: skip
     return _GuardedRouter(sock, curve is not None, guard)
 
 
@@ -282,7 +283,9 @@ class _GuardedRouter(Router):
 
 
 def _limits_text(limits: auth.ConnectionLimits) -> str:
-    return f"{limits.max_connections} connections ({limits.max_per_address} per address)"
+    return (f"{limits.max_connections} connections ({limits.max_per_address} per address), "
+            f"{limits.max_new} new per {auth.HANDSHAKE_MS} ms ({limits.max_new_per_address} per "
+            "address)")  # fmt: skip
 
 
 def _kind(msg: protocol.Message) -> str:
