@@ -75,7 +75,7 @@ def _property(name: bytes, value: bytes) -> bytes:
     return bytes((len(name),)) + name + struct.pack(">I", len(value)) + value
 
 
-def _exact(sock: socket.socket, n: int) -> bytes:
+def read_exact(sock: socket.socket, n: int) -> bytes:
     data = bytearray()
     while len(data) < n:
         chunk = sock.recv(n - len(data))
@@ -87,9 +87,20 @@ def _exact(sock: socket.socket, n: int) -> bytes:
 
 def read_frame(sock: socket.socket) -> tuple[int, bytes]:
     """The next frame from the hub: (flags, payload)."""
-    flags = _exact(sock, 1)[0]
-    size = struct.unpack(">Q", _exact(sock, 8))[0] if flags & _LONG else _exact(sock, 1)[0]
-    return flags, _exact(sock, size)
+    flags = read_exact(sock, 1)[0]
+    size = struct.unpack(">Q", read_exact(sock, 8))[0] if flags & _LONG else read_exact(sock, 1)[0]
+    return flags, read_exact(sock, size)
+
+
+def is_open(sock: socket.socket) -> bool:
+    """False once the other side closed ``sock`` (never blocks; looks at pending bytes only)."""
+    try:
+        sock.settimeout(0)
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -112,7 +123,7 @@ class RawPeer:
                  timeout_s: float = 10.0) -> None:  # fmt: skip
         self.sock = socket.create_connection(parse_endpoint(endpoint), timeout=timeout_s)
         self.sock.sendall(greeting())
-        hub = _exact(self.sock, GREETING_BYTES)
+        hub = read_exact(self.sock, GREETING_BYTES)
         if hub[:1] != b"\xff" or hub[10] != 3:
             raise ConnectionError(f"not a ZMTP 3 greeting: {hub[:12].hex()}")
         if not late:
@@ -144,14 +155,7 @@ class RawPeer:
 
     def alive(self) -> bool:
         """False once the hub closed the connection (never blocks)."""
-        try:
-            self.sock.settimeout(0)
-            data = self.sock.recv(1, socket.MSG_PEEK)
-            return bool(data)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
+        return is_open(self.sock)
 
     def close(self) -> None:
         self.sock.close()
@@ -244,7 +248,7 @@ def unfinished_handshake(endpoint: str, command_bytes: int, connections: int = 1
         socks.append(sock)
         try:
             sock.sendall(greeting(mechanism))
-            _exact(sock, GREETING_BYTES)
+            read_exact(sock, GREETING_BYTES)
             sock.sendall(bytes((_COMMAND | _LONG,)) + struct.pack(">Q", command_bytes))
             left = command_bytes - 1
             while left:
