@@ -212,8 +212,6 @@ ROUTING_ID_BYTES = 16
 """Length of the routing ids the ZAP handler assigns (random; libzmq's own are 5 bytes)."""
 ZAP_REPLY_DELAY_S = 0.02
 """An approval is sent this long after the request; see :class:`Authenticator`."""
-
-
 HANDSHAKE_MS = 5000
 """The hub socket's ``HANDSHAKE_IVL``: libzmq drops a connection whose handshake is not done by
 then, so a connection older than this has been authenticated (or is gone)."""
@@ -310,10 +308,6 @@ class Authenticator:
         self._lock = threading.Lock()
         self._started = threading.Event()
         self._denied = _Denials(interval_s=1.0)
-
-    @property
-    def mode(self) -> str:
-        return "plain text" if self.allow is None else "CURVE"
 
     def start(self) -> None:
         """Bind the context's ZAP endpoint and start answering (once per context: a second
