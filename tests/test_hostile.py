@@ -69,14 +69,14 @@ async def test_close_removes_the_queued_job_so_churn_drafts_almost_nothing(
         raw = await _welcomed(hub, llama_target)
         hub.engine.proposer = slow = _Slow(hub.proposer, 0.02)  # drafting is the bottleneck
         opened = 0
-        for _ in range(4):
+        for _ in range(2):  # 200 messages: within the peer's message budget (5 s x 50/s)
             for ref in range(50):
                 await raw.send(Open(ref, PROMPT, SamplingParams(), 4))
             opened += await _close_each_opened(raw, 50)
         await asyncio.sleep(0.3)
         with hub.lock:
             assert not hub.sessions and not hub.q_in._queues  # nothing left behind
-        assert opened == 200 and slow.drafted < 40, slow.drafted  # not 200
+        assert opened == 100 and slow.drafted < 25, slow.drafted  # not 100
         raw.close()
 
 

@@ -44,9 +44,10 @@ BAD_MESSAGES = {
     "wrong field type": [_header(Ping.TYPE, {"nonce": "x"})],
     "length mismatch": [_header(Draft.TYPE, {"tag": b"x" * 16, "seq": 1, "accepted": 0,
                                              "arrays": [["appended", "int32", [3]]]}), b"\0" * 5],
-    "oversized": [_header(Draft.TYPE, {"tag": b"x" * 16, "seq": 1, "accepted": 0,
-                                       "arrays": [["appended", "int32", [5_000_000]]]}),
-                  b"\0" * (protocol.MAX_FRAME_BYTES + 4)],
+    # (a frame over the hub's socket limit drops the connection: tests/test_hostile_wire.py)
+    "too many frames": [_header(Draft.TYPE, {"tag": b"x" * 16, "seq": 1, "accepted": 0,
+                                             "arrays": [["appended", "int32", [1]]]}),
+                        *[b"\0" * 4] * protocol.MAX_FRAMES],
 }  # fmt: skip
 EXPECTED_CODE = {
     "truncated": ErrorCode.MALFORMED,
@@ -55,7 +56,7 @@ EXPECTED_CODE = {
     "garbage body": ErrorCode.MALFORMED,
     "wrong field type": ErrorCode.MALFORMED,
     "length mismatch": ErrorCode.MALFORMED,
-    "oversized": ErrorCode.TOO_LARGE,
+    "too many frames": ErrorCode.TOO_LARGE,
 }
 
 

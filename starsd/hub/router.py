@@ -8,13 +8,16 @@ block (NOBLOCK, and the ROUTER reports unroutable peers instead of dropping sile
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zmq
 
 from starsd import protocol, transport
@@ -183,24 +186,116 @@ def _ignore(batch: list[Received]) -> None:
     del batch
 
 
+HUB_MAX_FRAME_BYTES = protocol.MAX_FRAME_BYTES + protocol.MAX_HEADER_BYTES
+"""The hub's frame limit when nothing sizes it: the decoder's own array limit (and a bit, so
+a frame just over it still gets a TOO_LARGE reply rather than a silent drop)."""
+HUB_RCVHWM = 1000  # complete messages queued per connection (a target: sessions + a few)
+HUB_SNDHWM = 1000  # replies queued per connection (a session has one proposal in flight)
+HUB_HANDSHAKE_MS = auth.HANDSHAKE_MS  # a peer that has not finished its handshake is dropped
+
+
 def bind_router(
-    ctx: zmq.Context, endpoint: str, curve: auth.CurveServerConfig | None = None
-) -> Router:
+    ctx: zmq.Context, endpoint: str, curve: auth.CurveServerConfig | None = None,
+    max_frame_bytes: int = HUB_MAX_FRAME_BYTES, limits: auth.ConnectionLimits = auth.DEFAULT_LIMITS,
+) -> Router:  # fmt: skip
     """The hub's ROUTER socket, bound to ``endpoint`` (CURVE server when ``curve`` is given;
-    the context must then run :func:`auth.start_authenticator` first)."""
-    sock: zmq.Socket = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # sync: see Router
-    # No ZMTP heartbeats of the hub's own: libzmq 4.3.5 aborts the process (assert !_io_error,
-    # stream_engine_base.cpp:310) when a heartbeat timer fires on a connection whose peer
-    # vanished while its input was stopped at the high-water mark, which any peer can arrange
-    # (tests/test_router.py). Targets' DEALERs send heartbeats with a TTL, so the hub still
-    # closes a dead or hung target's connection; the application lease frees its sessions.
-    transport.common_options(sock, heartbeat_ms=0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH/EAGAIN instead of a silent drop
-    # ROUTER_HANDOVER stays off: a new connection can never take over a live routing id.
-    if curve is not None:
-        auth.secure_server(sock, curve)
-    sock.bind(endpoint)
-    return Router(sock, curve is not None)
+    the context must then run :func:`auth.start_authenticator` first, whose ``limits`` apply;
+    in plain text this starts one with ``limits``, stopped by :meth:`Router.close`).
+
+    Every handshake goes through that ZAP handler, which gives each connection a random
+    routing id of its own (never the one the peer asks for) and holds the connections to
+    :class:`auth.ConnectionLimits`; the automatic ids libzmq still assigns to a peer that
+    outwaits the handler are made unpredictable first (:func:`seed_routing_ids`). Frames over
+    ``max_frame_bytes`` drop the connection before they are buffered
+    (:func:`hub_max_frame_bytes` sizes it to what a hub can legitimately receive).
+    """
+    guard = auth.start_authenticator(ctx, None, limits=limits) if curve is None else None
+    try:
+        gate = auth.running_on(ctx)
+        seed_routing_ids()
+        sock: zmq.Socket = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # sync: Router
+        # No ZMTP heartbeats of the hub's own: libzmq 4.3.5 aborts the process (assert
+        # !_io_error, stream_engine_base.cpp:310) when a heartbeat timer fires on a connection
+        # whose peer vanished while its input was stopped at the high-water mark, which any
+        # peer can arrange (tests/test_router.py). Targets' DEALERs send heartbeats with a TTL,
+        # so the hub still closes a dead or hung target's connection; the lease frees its state.
+        transport.common_options(sock, heartbeat_ms=0)
+        hub_options(sock, max_frame_bytes)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH/EAGAIN instead of a silent drop
+        # ROUTER_HANDOVER stays off: a new connection can never take over a live routing id.
+        if curve is not None:
+            auth.secure_server(sock, curve)
+        else:  # plain text through ZAP too: the handler assigns the routing ids
+            sock.setsockopt(zmq.ZAP_DOMAIN, auth.ZAP_DOMAIN.encode())
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        if gate is not None:
+            gate.watch(sock)
+        sock.bind(endpoint)
+    except BaseException:
+        if guard is not None:
+            guard.stop()
+        raise
+    held = _limits_text(gate.limits) if gate is not None else "any number of connections"
+    log.info("hub socket: frames up to %d B, RCVHWM %d, handshake within %d ms, at most %s",
+             max_frame_bytes, HUB_RCVHWM, HUB_HANDSHAKE_MS, held)  # fmt: skip
+    return _GuardedRouter(sock, curve is not None, guard)
+
+
+def hub_options(sock: zmq.Socket, max_frame_bytes: int) -> None:
+    """What a hub socket tightens over :func:`transport.common_options`: the frame limit,
+    the queues and the handshake time."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.RCVHWM, HUB_RCVHWM)
+    sock.setsockopt(zmq.SNDHWM, HUB_SNDHWM)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HUB_HANDSHAKE_MS)
+
+
+def hub_max_frame_bytes(max_positions: int | None, feature_width: int = 0,
+                        feature_dtype: str = "float16", max_gamma: int = 64) -> int:  # fmt: skip
+    """The largest frame a hub can legitimately receive.
+
+    A hub receives HELLO, OPEN, DRAFT, CLOSE, PING, PONG, STATS_REQUEST and ERROR: a header
+    (``protocol.MAX_HEADER_BYTES``), token ids (a prompt or the tokens appended in a round, at
+    most ``max(MAX_APPENDED, max_positions)`` int64) and, on an EAGLE hub, features ([rows,
+    width] of ``feature_dtype``, rows at most that many again plus ``max_gamma``). Never more
+    than the decoder's own limit; with no known context limit, that limit.
+    """
+    if max_positions is None:
+        return HUB_MAX_FRAME_BYTES
+    rows = max(protocol.MAX_APPENDED, max_positions) + max_gamma
+    ids = 8 * rows
+    features = rows * feature_width * np.dtype(feature_dtype).itemsize
+    return min(max(protocol.MAX_HEADER_BYTES, ids, features), HUB_MAX_FRAME_BYTES)
+
+
+def seed_routing_ids() -> None:
+    """Seed libc's ``rand()`` from the OS: libzmq 4.3.5 never seeds it and starts each
+    ROUTER's automatic routing ids at its next value, so every fresh process would hand out
+    the same ids (0x6b8b4567, +1 per connection), which a peer can claim in advance."""
+    libc = ctypes.CDLL(None)
+    libc.srand(ctypes.c_uint(secrets.randbits(32)))
+
+
+class _GuardedRouter(Router):
+    """A :class:`Router` that stops the plain-text ZAP handler it came with when it closes."""
+
+    def __init__(self, sock: zmq.Socket, curve: bool,
+                 guard: auth.Authenticator | None) -> None:  # fmt: skip
+        super().__init__(sock, curve)
+        self.guard = guard
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.guard is not None:
+                self.guard.stop()  # after the socket: its monitor must not outlive it
+
+
+def _limits_text(limits: auth.ConnectionLimits) -> str:
+    return (f"{limits.max_connections} connections ({limits.max_per_address} per address), "
+            f"{limits.max_new} new per {auth.HANDSHAKE_MS} ms ({limits.max_new_per_address} per "
+            "address)")  # fmt: skip
 
 
 def _kind(msg: protocol.Message) -> str:

@@ -106,7 +106,11 @@ class Hub:
     async def serve(self, ctx: zmq.asyncio.Context) -> None:
         """Bind, run until ``stop()``, drain, then shut down cleanly and log the summary."""
         authenticator = self._start_security(ctx)
-        self.router = sock = router.bind_router(ctx, self.config.bind, self.config.curve)
+        frame_limit = router.hub_max_frame_bytes(self.proposer.max_positions,
+                                                 self.welcome.feature_width,
+                                                 self.welcome.feature_dtype, self.config.max_gamma)
+        self.router = sock = router.bind_router(ctx, self.config.bind, self.config.curve,
+                                                max_frame_bytes=frame_limit)  # fmt: skip
         self.endpoint = sock.endpoint
         self.engine.start()
         self._log_start()
