@@ -4,18 +4,22 @@ that never finish. Functions for the tests (tests/test_hostile_wire.py) and a sm
     python scripts/hostile_wire.py collide --endpoint E [--start ID_HEX] [--connections C]
                                            [--late] [--seconds S]
     python scripts/hostile_wire.py unfinished --endpoint E [--frames N --frame-bytes B
-                                              --connections C --seconds S] [--hub-pid P]
+                                              --connections C --seconds S] [--handshake]
+                                              [--hub-pid P]
     python scripts/hostile_wire.py complete --endpoint E [--frames N --frame-bytes B] [--hub-pid P]
 
 ``collide`` claims the routing ids a ROUTER would assign next (libzmq 4.3.5 counts them up from
 a start that is the same in every process unless the process seeds ``rand()``): a DEALER sets
 ``ZMQ_ROUTING_ID`` (``--late``: a raw ZMTP client that sends its READY, and so its identity,
-only after the hub's READY). ``unfinished`` is a raw ZMTP 3.0 client (NULL mechanism) that,
-without ever saying HELLO, sends ``--frames`` frames of ``--frame-bytes`` flagged MORE, then
-keeps the message open with one empty MORE frame a second. ``complete`` sends the same frames
-and a last one, then waits for the reply or the disconnect. With ``--hub-pid`` each prints the
-hub's RSS before, at its peak and after. Loopback only; every attack is bounded in connections,
-bytes and seconds.
+only after the hub's READY), then a newcomer connects; on a vulnerable hub libzmq asserts and
+the hub dies. ``unfinished`` is a raw ZMTP 3.0 client (NULL mechanism) that, without ever
+saying HELLO, sends ``--frames`` frames of ``--frame-bytes`` flagged MORE, then keeps the
+message open with one empty MORE frame a second (``--handshake``: instead, all but the last
+byte of one ``--frame-bytes`` CURVE handshake command, what an unauthenticated peer can do to a
+CURVE hub). ``complete`` sends the same frames and a last one, then waits for the reply or the
+disconnect. With ``--hub-pid`` each prints the hub's RSS before, at the end of (or, for
+``complete``, at its peak during) the attack and a second after. Loopback only; every attack is
+bounded in connections, bytes and seconds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import struct
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
@@ -208,6 +213,21 @@ def claimants(endpoint: str, claims: Sequence[bytes], late: bool = False,
         yield peers
 
 
+def newcomer_answered(endpoint: str, timeout_s: float = 3.0) -> bool:
+    """Whether a DEALER that lets the hub pick its routing id gets a PONG (the collision kills
+    the hub at this newcomer's connection)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart(protocol.encode(protocol.Ping(7)))
+        return bool(sock.poll(int(1000 * timeout_s)))
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
 def unfinished(endpoint: str, frames: int, frame_bytes: int, connections: int = 1,
                seconds: float = 5.0, on_sent: object = None) -> list[RawPeer]:  # fmt: skip
     """Open ``connections`` raw peers that each send ``frames`` frames of ``frame_bytes``
@@ -329,6 +349,9 @@ def _main(argv: list[str] | None = None) -> int:
         with claimants(args.endpoint, claims, late=args.late):
             print(f"holding {len(claims)} claimed ids {claims[0].hex()}..{claims[-1].hex()} "
                   f"for {args.seconds} s")  # fmt: skip
+            answered = newcomer_answered(args.endpoint)
+            print(f"a newcomer (no routing id of its own) was {'' if answered else 'NOT '}"
+                  "answered")  # fmt: skip
             time.sleep(args.seconds)
     elif args.attack == "unfinished" and args.handshake:
         socks = unfinished_handshake(args.endpoint, args.frame_bytes, args.connections)
@@ -348,10 +371,17 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"{len(peers)} connections x {args.frames} x {args.frame_bytes} B MORE; "
               f"{alive} still open at the end")  # fmt: skip
     else:
-        answer = complete(args.endpoint, args.frames, args.frame_bytes)
-        print(f"{args.frames} x {args.frame_bytes} B message: {answer}")
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(complete, args.endpoint, args.frames, args.frame_bytes)
+            while pid and not answer.done():
+                peak = max(peak or 0.0, rss_mb(pid))
+                time.sleep(0.02)
+            print(f"{args.frames} x {args.frame_bytes} B message: {answer.result()}")
     if pid:
         time.sleep(1.0)
+        if not Path(f"/proc/{pid}").exists():
+            print(f"the hub (pid {pid}) is gone")
+            return 1
         after = rss_mb(pid)
         print(f"hub RSS: {before:.0f} MB before, {peak:.0f} MB at the end of the attack, "
               f"{after:.0f} MB 1 s after it (+{(peak or 0) - (before or 0):.0f} MB)")  # fmt: skip
