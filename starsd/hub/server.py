@@ -57,6 +57,8 @@ from starsd.stats import HubStats
 log = logging.getLogger("starsd.hub")
 
 _STAMPED = (Opened, Proposal, Pong, Error, Stats)  # hub replies that carry the epoch
+FLOOD_BATCH = 128  # messages over budget in one read turn that mean a flood
+MAX_PAUSE_S = 0.02  # longest pause of the reading after such a turn (a legit message waits it)
 
 
 def limits_of(config: HubConfig, welcome: Welcome, max_positions: int | None) -> Limits:
@@ -177,13 +179,18 @@ class Hub:
         """The ROUTER reader's callback: handle each message and send its replies."""
         if self.allow is not None:
             self.allow.maybe_reload()
+        started, dropped = time.perf_counter(), 0
         for received in received_batch:
             with self.lock:  # per message: the drafting thread's deliveries wait one at most
                 self.stats.messages += 1
                 if not self._within_budget(received.peer):
+                    dropped += 1
                     continue
                 for reply in self.handle(received.peer, received.frames, received.user_id):
                     self.send(received.peer, reply)
+        if dropped >= FLOOD_BATCH and self.router is not None:
+            # Mostly a flood: read at most half the time, so the drafting thread keeps its CPU.
+            self.router.pause(min(MAX_PAUSE_S, time.perf_counter() - started))
 
     def _within_budget(self, routing_id: bytes) -> bool:
         peer = self.table.peers.get(routing_id)
