@@ -27,7 +27,7 @@ from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
 from starsd import models, protocol, transport
 from starsd.curve_client import CurveClientConfig, secure_client
-from starsd.hub import auth, router
+from starsd.hub import gate, router
 from starsd.keys import generate_keypair
 from starsd.protocol import Hello, Ping, Pong, SamplingParams
 
@@ -173,7 +173,7 @@ def test_claimed_routing_ids_cannot_abort_the_hub(
         connected = re.findall(r"target ([0-9a-f]+)/mallory connected", hub.text())
         assert len(connected) == len(attackers)  # all welcomed, none under its claimed id
         assert not {bytes.fromhex(c) for c in connected} & set(dealer_claims)
-        assert all(len(c) == 2 * auth.ROUTING_ID_BYTES for c in connected)
+        assert all(len(c) == 2 * gate.ROUTING_ID_BYTES for c in connected)
     finally:
         for peer in raw:
             peer.close()
@@ -203,7 +203,7 @@ async def test_the_hub_assigns_routing_ids_and_ignores_the_peers_own() -> None:
             assert await asyncio.to_thread(hub.sock.poll, 5000)
             seen.add(hub.sock.recv_multipart()[0])
         assert len(seen) == len(claims) and not seen & set(claims)
-        assert all(len(rid) == auth.ROUTING_ID_BYTES and rid[0] for rid in seen)
+        assert all(len(rid) == gate.ROUTING_ID_BYTES and rid[0] for rid in seen)
     finally:
         for sock in clients:
             sock.close(linger=0)
@@ -247,7 +247,7 @@ def test_connections_over_the_limits_are_shut_at_accept() -> None:
     number of unfinished messages or handshake commands it holds (before: any number, each up
     to 64 MiB for 30 s)."""
     ctx = zmq.Context()
-    limits = auth.ConnectionLimits(max_connections=6, max_per_address=6, max_new=4,
+    limits = gate.ConnectionLimits(max_connections=6, max_per_address=6, max_new=4,
                                    max_new_per_address=4)  # fmt: skip
     hub = router.bind_router(ctx, "tcp://127.0.0.1:*", limits=limits)
     peers: list[socket.socket] = []
@@ -257,10 +257,10 @@ def test_connections_over_the_limits_are_shut_at_accept() -> None:
         time.sleep(0.5)
         greeted = sum(_greeted(peer) for peer in peers)
         assert greeted == limits.max_new  # the others were shut down before their handshake
-        gate = auth.running_on(ctx)
-        assert gate is not None
-        assert gate.stats.refused_connections == 7 - limits.max_new
-        assert gate.stats.open_connections == limits.max_new
+        gatekeeper = gate.running_on(ctx)
+        assert gatekeeper is not None
+        assert gatekeeper.stats.refused_connections == 7 - limits.max_new
+        assert gatekeeper.stats.open_connections == limits.max_new
     finally:
         for peer in peers:
             peer.close()
@@ -300,7 +300,7 @@ def test_unfinished_handshakes_hold_at_most_one_frame_each_and_not_for_long(
     honest = asyncio.run(_speculate(hub.endpoint, llama_target, _curve(tmp_path, "honest")))
     assert honest == [_greedy_reference(llama_target, p, 24) for p in PROMPTS]
     while any(hw.is_open(s) for s in held):
-        assert time.monotonic() - started < auth.HANDSHAKE_MS / 1000 + 3, "held past the limit"
+        assert time.monotonic() - started < gate.HANDSHAKE_MS / 1000 + 3, "held past the limit"
         time.sleep(0.2)
     after = _settled_rss(hub.proc.pid)
     for sock in huge + held:

@@ -29,16 +29,15 @@ from starsd.curve_client import (
 )
 from starsd.hub.auth import (
     AllowList,
-    CurveAuthenticator,
     CurveServerConfig,
     InsecureEndpointError,
     check_plaintext_endpoint,
     is_loopback,
     peer_address,
     secure_server,
-    start_authenticator,
     user_id,
 )
+from starsd.hub.gate import CurveAuthenticator, start_authenticator
 from starsd.keys import KeyFileError, generate_keypair, load_keypair, load_public_key
 
 pytestmark = pytest.mark.timeout(30)

@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from starsd import protocol, transport
-from starsd.hub import auth
+from starsd.hub import auth, gate
 from starsd.logsafe import Throttle
 
 log = logging.getLogger(__name__)
@@ -209,27 +209,27 @@ HUB_MAX_FRAME_BYTES = protocol.MAX_FRAME_BYTES + protocol.MAX_HEADER_BYTES
 a frame just over it still gets a TOO_LARGE reply rather than a silent drop)."""
 HUB_RCVHWM = 1000  # complete messages queued per connection (a target: sessions + a few)
 HUB_SNDHWM = 1000  # replies queued per connection (a session has one proposal in flight)
-HUB_HANDSHAKE_MS = auth.HANDSHAKE_MS  # a peer that has not finished its handshake is dropped
+HUB_HANDSHAKE_MS = gate.HANDSHAKE_MS  # a peer that has not finished its handshake is dropped
 
 
 def bind_router(
     ctx: zmq.Context, endpoint: str, curve: auth.CurveServerConfig | None = None,
-    max_frame_bytes: int = HUB_MAX_FRAME_BYTES, limits: auth.ConnectionLimits = auth.DEFAULT_LIMITS,
+    max_frame_bytes: int = HUB_MAX_FRAME_BYTES, limits: gate.ConnectionLimits = gate.DEFAULT_LIMITS,
 ) -> Router:  # fmt: skip
     """The hub's ROUTER socket, bound to ``endpoint`` (CURVE server when ``curve`` is given;
-    the context must then run :func:`auth.start_authenticator` first, whose ``limits`` apply;
+    the context must then run :func:`gate.start_authenticator` first, whose ``limits`` apply;
     in plain text this starts one with ``limits``, stopped by :meth:`Router.close`).
 
     Every handshake goes through that ZAP handler, which gives each connection a random
     routing id of its own (never the one the peer asks for) and holds the connections to
-    :class:`auth.ConnectionLimits`; the automatic ids libzmq still assigns to a peer that
+    :class:`gate.ConnectionLimits`; the automatic ids libzmq still assigns to a peer that
     outwaits the handler are made unpredictable first (:func:`seed_routing_ids`). Frames over
     ``max_frame_bytes`` drop the connection before they are buffered
     (:func:`hub_max_frame_bytes` sizes it to what a hub can legitimately receive).
     """
-    guard = auth.start_authenticator(ctx, None, limits=limits) if curve is None else None
+    guard = gate.start_authenticator(ctx, None, limits=limits) if curve is None else None
     try:
-        gate = auth.running_on(ctx)
+        gatekeeper = gate.running_on(ctx)
         seed_routing_ids()
         sock: zmq.Socket = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # sync: Router
         # No ZMTP heartbeats of the hub's own: libzmq 4.3.5 aborts the process (assert
@@ -246,14 +246,15 @@ def bind_router(
         else:  # plain text through ZAP too: the handler assigns the routing ids
             sock.setsockopt(zmq.ZAP_DOMAIN, auth.ZAP_DOMAIN.encode())
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-        if gate is not None:
-            gate.watch(sock)
+        if gatekeeper is not None:
+            gatekeeper.watch(sock)
         sock.bind(endpoint)
     except BaseException:
         if guard is not None:
             guard.stop()
         raise
-    held = _limits_text(gate.limits) if gate is not None else "any number of connections"
+    held = (_limits_text(gatekeeper.limits) if gatekeeper is not None
+            else "any number of connections")  # fmt: skip
     log.info("hub socket: frames up to %d B, RCVHWM %d, handshake within %d ms, at most %s",
              max_frame_bytes, HUB_RCVHWM, HUB_HANDSHAKE_MS, held)  # fmt: skip
     return _GuardedRouter(sock, curve is not None, guard)
@@ -298,7 +299,7 @@ class _GuardedRouter(Router):
     """A :class:`Router` that stops the plain-text ZAP handler it came with when it closes."""
 
     def __init__(self, sock: zmq.Socket, curve: bool,
-                 guard: auth.Authenticator | None) -> None:  # fmt: skip
+                 guard: gate.Authenticator | None) -> None:  # fmt: skip
         super().__init__(sock, curve)
         self.guard = guard
 
@@ -310,9 +311,9 @@ class _GuardedRouter(Router):
                 self.guard.stop()  # after the socket: its monitor must not outlive it
 
 
-def _limits_text(limits: auth.ConnectionLimits) -> str:
+def _limits_text(limits: gate.ConnectionLimits) -> str:
     return (f"{limits.max_connections} connections ({limits.max_per_address} per address), "
-            f"{limits.max_new} new per {auth.HANDSHAKE_MS} ms ({limits.max_new_per_address} per "
+            f"{limits.max_new} new per {gate.HANDSHAKE_MS} ms ({limits.max_new_per_address} per "
             "address)")  # fmt: skip
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import zmq.asyncio
 
 from starsd import protocol
-from starsd.hub import auth, router
+from starsd.hub import auth, gate, router
 from starsd.hub.budget import PeerBudget, Rates
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
@@ -136,14 +136,14 @@ class Hub:
         """Ask ``serve`` to drain and finish (safe from signal handlers on the loop)."""
         self.stopping.set()
 
-    def _start_security(self, ctx: zmq.asyncio.Context) -> auth.CurveAuthenticator | None:
+    def _start_security(self, ctx: zmq.asyncio.Context) -> gate.CurveAuthenticator | None:
         curve = self.config.curve
         if curve is None:
             auth.check_plaintext_endpoint(self.config.bind,
                                               allow_insecure=self.config.insecure)  # fmt: skip
             return None
         self.allow = auth.AllowList(curve.allow_dir)
-        return auth.start_authenticator(ctx, self.allow)
+        return gate.start_authenticator(ctx, self.allow)
 
     def _log_start(self) -> None:
         mode = (f"CURVE, {len(self.allow)} allowed target keys" if self.allow is not None
