@@ -7,8 +7,8 @@ Server side only: the hub uses it, the targets never import it (their side is
 
 Two checks on keys, because ZAP only runs at the handshake:
 
-1. At the handshake, the ZAP handler (:func:`starsd.hub.gate.start_authenticator`) refuses any client key that is
-   not in the :class:`AllowList`; such a client never gets a message through.
+1. At the handshake, the ZAP handler (:func:`starsd.hub.gate.start_authenticator`) refuses any
+   client key that is not in the :class:`AllowList`; such a client never gets a message through.
 2. On every message, the hub reads the authenticated key from the frame (:func:`user_id`) and asks
    the *current* :class:`AllowList` (:meth:`AllowList.is_allowed`). A key removed from the allow
    directory while its connection is open is refused at its next message.
