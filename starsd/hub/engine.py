@@ -74,7 +74,8 @@ class DraftingEngine:
         if peer is not None:
             peer.stats.jobs += 1
             peer.stats.queue_wait_s += started - job.enqueued_at
-        if not self.send(session.routing_id, result):
+        sent = self.send(session.routing_id, result)
+        if not sent and proposed is not None:  # (an error result ended its session already)
             # The target will not see this proposal: free the state now; the target re-opens
             # from its own tokens when its DRAFT gets UNKNOWN_SESSION or its deadline passes.
             self.table.drop(session)
