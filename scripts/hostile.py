@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
@@ -38,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from starsd import protocol
 from starsd.protocol import Close, Draft, Error, Hello, Open, Opened, Ping
+
+if TYPE_CHECKING:  # attacker processes start without torch: the model module is for types only
+    from starsd.models import LoadedModel
 
 PROMPT = np.array([5, 17, 33, 8], dtype=np.int32)
 MAX_MESSAGES = 200_000  # per attacker process, whatever --seconds says
@@ -194,7 +198,7 @@ def rss_mb(pid: int) -> float:
     raise HubDied(f"process {pid} is gone")
 
 
-async def legit_tokens_per_s(endpoint: str, target: object, prompts: list[list[int]],
+async def legit_tokens_per_s(endpoint: str, target: LoadedModel, prompts: list[list[int]],
                              n_tokens: int) -> tuple[float, list[list[int]], int]:  # fmt: skip
     """A legitimate target speculating ``prompts`` at once: (tokens/s, outputs, standalone
     steps)."""
@@ -204,9 +208,9 @@ async def legit_tokens_per_s(endpoint: str, target: object, prompts: list[list[i
     from starsd import transport
 
     ctx = transport.new_context()
-    info = TargetInfo("legit", target.vocab_size, target.tokenizer_fingerprint)  # type: ignore[attr-defined]
+    info = TargetInfo("legit", target.vocab_size, target.tokenizer_fingerprint)
     client, pool = HubClient(ctx, endpoint, info), ThreadPoolExecutor(1)
-    seqs = [TargetSequence(target, p, protocol.SamplingParams(), n_tokens) for p in prompts]  # type: ignore[arg-type]
+    seqs = [TargetSequence(target, p, protocol.SamplingParams(), n_tokens) for p in prompts]
     try:
         await client.connect()
         started = time.perf_counter()
@@ -310,14 +314,14 @@ def probe(args: argparse.Namespace) -> int:
     return 0 if all(o.outputs_identical for o in outcomes) else 1
 
 
-async def _probe_all(args: argparse.Namespace, endpoint: str, hub_pid: int, target: object,
+async def _probe_all(args: argparse.Namespace, endpoint: str, hub_pid: int, target: LoadedModel,
                      prompts: list[list[int]]) -> list[Outcome]:  # fmt: skip
     n_tokens = 24 if args.quick else 48
     legit = lambda: legit_tokens_per_s(endpoint, target, prompts, n_tokens)  # noqa: E731
     _, reference, _ = await legit()  # warm-up, and the outputs every later run must repeat
-    a = Attack(endpoint, target.vocab_size, target.tokenizer_fingerprint,  # type: ignore[attr-defined]
+    a = Attack(endpoint, target.vocab_size, target.tokenizer_fingerprint,
                seconds=4.0 if args.quick else 8.0, connections=4 if args.quick else 20,
-               max_positions=target.max_positions or 256)  # type: ignore[attr-defined]  # fmt: skip
+               max_positions=target.max_positions or 256)  # fmt: skip
     outcomes = []
     for name in args.attacks:
         print(f"[hostile] {name} ...", flush=True)
