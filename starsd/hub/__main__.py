@@ -47,9 +47,15 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
                    help="messages per second a connection may send besides accepted DRAFTs, "
                         "plus as many per session it holds (5 s of burst); the excess is "
                         "dropped unread. 0: no limit (benchmarks of the bare message path)")
+    p.add_argument("--max-batch", type=int, default=HubConfig.max_batch,
+                   help="draft jobs (sessions) drafted together in one batched forward, taken "
+                        "fairly across targets; 1 drafts one session at a time")
     p.add_argument("--insecure", action="store_true",
                    help="allow plain text on a non-loopback --bind (trusted networks only)")
-    config = HubConfig(**vars(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    if args.max_batch < 1:
+        p.error(f"--max-batch must be at least 1, got {args.max_batch}")
+    config = HubConfig(**vars(args))
     if (config.curve_secret is None) != (config.allow_dir is None):
         p.error("--curve-secret and --allow-dir go together")
     return config

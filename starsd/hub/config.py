@@ -30,6 +30,11 @@ class HubConfig:
     allow_dir: str | None = None
     insecure: bool = False  # allow plain text on a non-loopback bind
     peer_budget: float = 50.0  # messages/s a peer may send besides accepted DRAFTs (0: no limit)
+    max_batch: int = 64  # draft jobs drafted together in one batch (1: one at a time)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
 
     @property
     def curve(self) -> auth.CurveServerConfig | None:

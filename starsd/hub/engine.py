@@ -33,8 +33,10 @@ class DraftingEngine:
     """Owns the drafting thread; shares the session table and counters under ``lock``."""
 
     def __init__(self, proposer: Proposer, q_in: FairQueue[DraftJob], table: SessionTable,
-                 lock: threading.Lock, send: Send, stats: HubStats) -> None:  # fmt: skip
+                 lock: threading.Lock, send: Send, stats: HubStats,
+                 max_batch: int = 1) -> None:  # fmt: skip
         self.proposer = proposer
+        self.max_batch = max_batch
         self.q_in = q_in
         self.table = table
         self.lock = lock
@@ -48,9 +50,9 @@ class DraftingEngine:
 
     def run(self) -> None:
         """The drafting thread's loop (entry point of the thread)."""
-        # One job per call: chain drafting loops over its jobs, so a batch would hold its first
-        # proposal back until its last was drafted.
-        while (batch := self.q_in.take(1)) is not None:
+        # Every waiting job up to max_batch, one per target in turn: the proposer drafts them
+        # in one batched forward, which costs little more than one job alone.
+        while (batch := self.q_in.take(self.max_batch)) is not None:
             self._serve(batch)
 
     def _serve(self, batch: list[DraftJob]) -> None:

@@ -92,7 +92,7 @@ class Hub:
         self.quiet = Throttle()  # log lines a peer can trigger at will: one per 10 s per kind
         self.q_in: FairQueue[DraftJob] = FairQueue()
         self.engine = DraftingEngine(proposer, self.q_in, self.table, self.lock, self.send,
-                                     self.stats)  # fmt: skip
+                                     self.stats, config.max_batch)  # fmt: skip
         self.router: router.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
         self.allow: auth.AllowList | None = None
