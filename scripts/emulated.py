@@ -7,8 +7,10 @@ Each emulated target is its own DEALER connection with one sequence in flight. I
 target forward it waits ``--verify-ms`` (without blocking the loop) and draws the number of
 accepted tokens from an i.i.d. acceptance process with rate ``--alpha`` (seeded), so one process
 can stand in for far more targets than the machine could run as real models. The hub drafts for
-real. The report carries system and per-target throughput, per-token latency, bytes per round and
-the hub's busy fraction over the measured window (from STATS replies).
+real. The report carries system and per-target throughput, per-token latency, bytes per round,
+each round's wait for its proposal (DRAFT sent to PROPOSAL received: the hub's queue wait and
+service plus the link), and from STATS replies over the measured window the hub's busy fraction,
+mean batch size and, when the hub counts them, its service time per batch size S(B).
 
 After the warm-up, calibration slices alternate with the measured window's slices (so this
 machine's drifting speed hits both alike): the hub's draft service time S(d) and the emulated
@@ -36,6 +38,7 @@ from starsd.stats import latency_summary
 
 PROMPT_TOKENS = 16
 WARMUP_LIMIT_S = 60.0
+CLOSE_FLUSH_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class TargetRecord:
     round_s: float = 0.0
     verify_s: float = 0.0
     token_latency_s: list[float] = field(default_factory=list)
+    proposal_wait_s: list[float] = field(default_factory=list)  # DRAFT sent -> PROPOSAL in
     had_proposal: bool = False
     calibration_rounds: int = 0
     calibration_verify_s: float = 0.0
@@ -137,13 +141,15 @@ async def _one_sequence(
 ) -> None:  # fmt: skip
     seq, generated, asked = 0, 0, time.perf_counter()
     while generated < cfg.max_new_tokens and time.perf_counter() < phases.finish:
-        msg = await inbox.get()
+        msg = await _next_message(inbox, phases)
+        if msg is None:  # the run ended while the hub was still drafting it: stop waiting
+            return
+        verify_started = time.perf_counter()
         if not isinstance(msg, Proposal):
             raise RuntimeError(f"hub: {msg}")
         if not record.had_proposal:
             record.had_proposal = True
             phases.first_proposals += 1
-        verify_started = time.perf_counter()
         await asyncio.sleep(cfg.verify_ms / 1e3)
         accepted = accepted_count(rng, cfg.alpha, len(msg.tokens))
         now = time.perf_counter()
@@ -151,6 +157,8 @@ async def _one_sequence(
         if kind == "window":
             _record_round(record, msg, accepted, now - asked)
             record.verify_s += now - verify_started  # the timer overshoots the nominal time
+            if seq > 0:  # after a DRAFT (the first proposal answers the OPEN, prefill included)
+                record.proposal_wait_s.append(verify_started - asked)
         elif kind == "calibration":
             record.calibration_rounds += 1
             record.calibration_verify_s += now - verify_started
@@ -158,6 +166,19 @@ async def _one_sequence(
         seq += 1
         asked = time.perf_counter()
         await client.draft(tag, seq, accepted, [rng.randrange(client.info.vocab_size)])
+
+
+async def _next_message(inbox: asyncio.Queue[protocol.Message], phases: Phases
+                        ) -> protocol.Message | None:  # fmt: skip
+    """The session's next message, or None once the last slice has ended (the caller then
+    closes the session, so the hub drops its queued job instead of drafting it into the next
+    run)."""
+    if math.isinf(phases.finish):  # warm-up: the schedule is not set yet
+        return await inbox.get()
+    try:
+        return await asyncio.wait_for(inbox.get(), max(0.0, phases.finish - time.perf_counter()))
+    except asyncio.TimeoutError:
+        return None
 
 
 def _record_round(record: TargetRecord, msg: Proposal, accepted: int, round_s: float) -> None:
@@ -180,17 +201,22 @@ async def emulate(cfg: EmulationConfig) -> dict:
         tasks = [asyncio.create_task(run_target(c, cfg, i, phases, records[i]))
                  for i, c in enumerate(clients)]  # fmt: skip
         await _warm_up(cfg, phases, tasks)
-        snapshots = []
+        snapshots, cpu = [], []
         for bound in phases.bounds:
             await asyncio.sleep(max(0.0, bound - time.perf_counter()))
             snapshots.append(await clients[0].stats())
+            cpu.append((time.perf_counter(), time.process_time()))
         await asyncio.gather(*tasks)
+        await asyncio.sleep(CLOSE_FLUSH_S)  # the sockets close with linger 0: let CLOSEs out
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
         ctx.term()
     spans = list(itertools.pairwise(snapshots))
+    (wall0, cpu0), (wall1, cpu1) = cpu[0], cpu[-1]
     return {**report(cfg, records, spans[1::2]),
-            "calibration": calibration_report(records, spans[::2])}
+            "calibration": calibration_report(records, spans[::2]),
+            # near 1: this process is the bottleneck, not the hub (split the targets)
+            "emulator_cpu_fraction": (cpu1 - cpu0) / (wall1 - wall0)}
 
 
 def target_info(cfg: EmulationConfig) -> TargetInfo:
@@ -223,11 +249,48 @@ Span = tuple[Stats, Stats]
 def hub_counters(spans: list[Span]) -> dict[str, float]:
     """The hub's counters summed over ``spans`` (STATS snapshots at each one's start and end)."""
     return {name: sum(getattr(end, name) - getattr(begin, name) for begin, end in spans)
-            for name in ("wall_s", "busy_s", "jobs", "queue_wait_s")}  # fmt: skip
+            for name in ("wall_s", "busy_s", "jobs", "batches", "queue_wait_s")}  # fmt: skip
+
+
+def per_size_counters(stats: Stats) -> dict[int, tuple[int, float]] | None:
+    """batch size -> (batches, summed service seconds) since the hub started, or None when the
+    hub's STATS do not carry per-size counters. The one place that reads those fields."""
+    sizes = getattr(stats, "batch_sizes", None)
+    counts = getattr(stats, "batch_counts", None)
+    seconds = getattr(stats, "batch_service_s", None)
+    if sizes is None or counts is None or seconds is None:
+        return None
+    return {int(b): (int(c), float(s)) for b, c, s in zip(sizes, counts, seconds, strict=True)}
+
+
+def service_curve(spans: list[Span]) -> list[dict] | None:
+    """S(B) over ``spans``: one row per batch size the hub drafted (its batches and mean service
+    time), or None when the hub does not count batch sizes."""
+    totals: dict[int, list[float]] = {}
+    for begin, end in spans:
+        before, after = per_size_counters(begin), per_size_counters(end)
+        if before is None or after is None:
+            return None
+        for size, (count, seconds) in after.items():
+            count0, seconds0 = before.get(size, (0, 0.0))
+            if count > count0:
+                row = totals.setdefault(size, [0, 0.0])
+                row[0] += count - count0
+                row[1] += seconds - seconds0
+    return [{"batch": b, "batches": int(c), "service_ms": 1e3 * s / c}
+            for b, (c, s) in sorted(totals.items())]  # fmt: skip
+
+
+def _batch_fields(hub: dict[str, float], spans: list[Span]) -> dict:
+    batches = hub["batches"]
+    return {"hub_batches": batches,
+            "mean_batch_size": hub["jobs"] / batches if batches else None,
+            "batch_service_ms": 1e3 * hub["busy_s"] / batches if batches else None,
+            "service_curve": service_curve(spans)}  # fmt: skip
 
 
 def calibration_report(records: list[TargetRecord], spans: list[Span]) -> dict:
-    """S(d) and the verify time over the calibration slices."""
+    """S(d), the batch sizes and the verify time over the calibration slices."""
     hub = hub_counters(spans)
     rounds = sum(r.calibration_rounds for r in records)
     verify_s = sum(r.calibration_verify_s for r in records)
@@ -235,6 +298,7 @@ def calibration_report(records: list[TargetRecord], spans: list[Span]) -> dict:
         "jobs": hub["jobs"],
         "draft_service_s": hub["busy_s"] / hub["jobs"] if hub["jobs"] else None,
         "verify_ms": 1e3 * verify_s / rounds if rounds else None,
+        **_batch_fields(hub, spans),
     }
 
 
@@ -263,6 +327,8 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], spans: list[Span])
         "round_ms": 1e3 * sum(r.round_s for r in records) / max(rounds, 1),
         "verify_ms": 1e3 * sum(r.verify_s for r in records) / max(rounds, 1),
         "latency_ms": latency_summary(latencies),
+        "proposal_wait_ms": latency_summary([x for r in records for x in r.proposal_wait_s]),
+        **_batch_fields(hub, spans),
         "token_latency_ms": [round(1e3 * x, 4) for x in latencies],  # for pooling across runs
     }
 
