@@ -64,11 +64,16 @@ def start_hub(procs: Processes, draft: str, log: Path, *extra: str,
 
 def start_hubs(procs: Processes, draft: str, logs: list[Path], *extra: str,
                bind: str = "tcp://127.0.0.1:*", prefix: list[str] | None = None,
-               cpus: set[int] | None = None
+               cpus: set[int] | None = None, per_hub: list[list[str]] | None = None
                ) -> list[tuple[subprocess.Popen[bytes], str]]:  # fmt: skip
-    """One hub per log, all loading at once; each with the endpoint it bound."""
+    """One hub per log, all loading at once; each with the endpoint it bound.
+
+    ``per_hub`` (one list per log) adds arguments to one hub only, e.g. its ``--max-batch``.
+    """
     args = ["-m", "starsd.hub", "--model", draft, "--bind", bind, *extra]
-    started = [procs.start(args, log, prefix, cpus) for log in logs]
+    own = per_hub or [[] for _ in logs]
+    started = [procs.start([*args, *more], log, prefix, cpus)
+               for log, more in zip(logs, own, strict=True)]  # fmt: skip
     return [(proc, wait_for_line(log, r"hub listening on (tcp://\S+)", proc))
             for proc, log in zip(started, logs, strict=True)]  # fmt: skip
 
@@ -85,6 +90,23 @@ def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen[bytes],
             raise RuntimeError(f"{proc.args} exited:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
     raise RuntimeError(f"{pattern!r} did not appear in {log} within {timeout:.0f} s")
+
+
+def parse_status_kb(text: str, field: str) -> int:
+    """``field`` (VmRSS, VmHWM, ...) in kB from the text of /proc/<pid>/status."""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name == field:
+            number, unit = value.split()
+            if unit != "kB":
+                raise ValueError(f"{field}: unexpected unit {unit!r}")
+            return int(number)
+    raise KeyError(field)
+
+
+def rss_mb(pid: int | str = "self", field: str = "VmRSS") -> float:
+    """A process's resident memory (or another /proc/<pid>/status field) in MiB."""
+    return parse_status_kb(Path(f"/proc/{pid}/status").read_text(), field) / 1024
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
