@@ -17,17 +17,17 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import bench_scale
 import torch
-from bench_common import BenchConfig, hub_overhead, run_record
-from bench_scale import suite_scale
+from bench_common import BenchConfig, hub_overhead, hub_stats, run_record
 from harness import PROMPTS as HARNESS_PROMPTS
 from harness import REPO, Processes, start_hub, start_hubs, stop
 
-from edge.client import HubClient, TargetInfo
+from edge.client import TargetInfo
 from edge.verifier import TargetSequence
 from starsd import analytic, models, transport
 from starsd.hub.drafters.base import DraftJob, Proposer
@@ -115,18 +115,6 @@ def eagle_drafter(cfg: BenchConfig) -> Proposer:
 # ---------------------------------------------------------------------- multi-process modes
 
 
-async def hub_stats(endpoint: str, info: TargetInfo) -> Stats:
-    """One STATS reply from the hub at ``endpoint``."""
-    ctx = transport.new_context()
-    client = HubClient(ctx, endpoint, info)
-    try:
-        await client.connect()
-        return await client.stats()
-    finally:
-        await client.aclose()
-        ctx.term()
-
-
 def busy_between(before: Stats, after: Stats) -> tuple[float, float]:
     """(hub busy fraction, mean queue wait ms) between two STATS replies."""
     wall = after.wall_s - before.wall_s
@@ -136,10 +124,12 @@ def busy_between(before: Stats, after: Stats) -> tuple[float, float]:
 
 
 def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[str],
-                tag: str, prefixes: list[list[str]] | None = None) -> list[list[dict]]:  # fmt: skip
+                tag: str, prefixes: list[list[str]] | None = None,
+                concurrency: int = 1) -> list[list[dict]]:  # fmt: skip
     """One target process per endpoint, all at once, each on the full prompt set.
 
-    ``prefixes`` (one per target) run a target elsewhere, e.g. ``ip netns exec NS``.
+    ``prefixes`` (one per target) run a target elsewhere, e.g. ``ip netns exec NS``;
+    ``concurrency``: sequences each target keeps in flight (``--concurrency``).
     """
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
@@ -149,7 +139,7 @@ def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[
         out = work / f"{tag}-{i}.jsonl"
         args = ["-m", "edge.target", "--hub", endpoint, "--model", cfg.target, "--prompts",
                 str(prompts), "--out", str(out), "--max-new-tokens", str(cfg.max_new_tokens),
-                "--gamma", str(cfg.gamma)]  # fmt: skip
+                "--gamma", str(cfg.gamma), "--concurrency", str(concurrency)]  # fmt: skip
         prefix = prefixes[i] if prefixes else None
         running.append((procs.start(args, work / f"{tag}-{i}.log", prefix), out))
     rows = []
@@ -160,13 +150,19 @@ def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[
     return rows
 
 
-def targets_record(mode: str, rows: list[list[dict]], gamma: int, **fields: Any) -> dict:
-    """Aggregate target JSONL rows into a record (tokens/s from each sequence's own time)."""
+def decode_seconds(target_rows: list[dict], concurrency: int = 1) -> float:
+    """A target's decoding time: its sequences' own times, ``concurrency`` of them at once."""
+    return sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in target_rows) / concurrency
+
+
+def targets_record(mode: str, rows: list[list[dict]], gamma: int, concurrency: int = 1,
+                   **fields: Any) -> dict:  # fmt: skip
+    """Aggregate target JSONL rows into a record (tokens/s from each sequence's own time; with
+    ``concurrency`` > 1 that many sequences of a target decode at once)."""
     per_target, lat, rounds, accepted = [], [], 0, 0
     for target_rows in rows:
         tokens = sum(len(r["token_ids"]) for r in target_rows)
-        seconds = sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in target_rows)
-        per_target.append(tokens / seconds)
+        per_target.append(tokens / decode_seconds(target_rows, concurrency))
         for r in target_rows:
             rounds += r["stats"]["rounds"]
             accepted += r["stats"]["accepted"]
@@ -176,7 +172,7 @@ def targets_record(mode: str, rows: list[list[dict]], gamma: int, **fields: Any)
         per_target_tokens_per_s=sum(per_target) / len(rows),
         acceptance_rate=accepted / max(rounds * gamma, 1), mean_accepted=accepted / max(rounds, 1),
         latency_ms={k: sum(x[k] for x in lat) / len(lat) for k in ("mean", "p50", "p99", "std")},
-        **fields,
+        concurrency=concurrency, **fields,
     )  # fmt: skip
 
 
@@ -213,13 +209,19 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     tokens = analytic.expected_tokens_per_round(alpha, cfg.gamma)
     central["predicted_system_tokens_per_s"] = tokens / (inputs.draft_s + inputs.verify_s)
     runs = [standalone, central, central_eagle]
-    plan = [("distributed-1to1", max(cfg.ns), "llm"), *[("one-for-many", n, "llm") for n in cfg.ns],
-            ("one-for-many", max(cfg.ns), "eagle")]  # fmt: skip
-    for mode, n, kind in plan:
-        print(f"[main] {mode} ({kind} drafter) with {n} target process(es) ...", flush=True)
-        runs.append(hub_run(cfg, procs, work, info, mode, n, inputs, kind))
+    plan = [HubRun("distributed-1to1", max(cfg.ns)),
+            *[HubRun("one-for-many", n) for n in cfg.ns],
+            HubRun("one-for-many", max(cfg.ns), "eagle"),
+            *batched_plan(cfg)]  # fmt: skip
+    curve = service_points(LlmProposer(draft), target.vocab_size, cfg.gamma)
+    for run in plan:
+        print(f"[main] {run.mode} ({run.kind} drafter, max-batch {run.max_batch}) with {run.n} "
+              f"target process(es) x {run.concurrency} sequence(s) ...", flush=True)  # fmt: skip
+        runs.append(hub_run(cfg, procs, work, info, run, inputs, curve))
     base = standalone["system_tokens_per_s"]
     return {"runs": runs, "model_inputs": asdict(inputs), "hub_overhead": overhead,
+            "service_curve_in_process": [{"batch": b, "ms": 1e3 * t} for b, t in curve],
+            "batched_vs_one_at_a_time": batched_comparison(runs),
             "eagle": {"draft_ms_per_round": 1e3 * measured_eagle["draft_s"],
                       "llm_draft_ms_per_round": 1e3 * measured["draft_s"],
                       "mean_accepted": measured_eagle["mean_accepted"],
@@ -228,35 +230,105 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
                                       r["system_tokens_per_s"] / base for r in runs}}  # fmt: skip
 
 
-def hub_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, mode: str, n: int,
-            inputs: analytic.ModelInputs, kind: str = "llm") -> dict:  # fmt: skip
-    """``n`` target processes and fresh hubs: one shared (one-for-many) or one each (1:1)."""
-    n_hubs = 1 if mode == "one-for-many" else n
+BATCHED_MODE, ONE_AT_A_TIME_MODE = "one-for-many-batched", "one-for-many-one-at-a-time"
+BATCHED_NS, BATCHED_CONCURRENCY = (2, 4), 2
+
+
+@dataclass(frozen=True)
+class HubRun:
+    """One multi-process run of the main suite."""
+
+    mode: str
+    n: int  # target processes
+    kind: str = "llm"
+    max_batch: int = BenchConfig.max_batch
+    concurrency: int = 1  # sequences each target keeps in flight
+
+
+def batched_plan(cfg: BenchConfig) -> list[HubRun]:
+    """One hub serving N = 2 and 4 targets of 2 sequences each, batched (``cfg.max_batch``)
+    and one at a time (``--max-batch 1``) back to back, the first of each pair alternating."""
+    plan = []
+    for i, n in enumerate(BATCHED_NS):
+        pair = [HubRun(BATCHED_MODE, n, max_batch=cfg.max_batch, concurrency=BATCHED_CONCURRENCY),
+                HubRun(ONE_AT_A_TIME_MODE, n, max_batch=1, concurrency=BATCHED_CONCURRENCY)]
+        plan += pair if i % 2 == 0 else pair[::-1]
+    return plan
+
+
+def batched_comparison(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """System tokens/s of the batched and the one-at-a-time hub per N, and their ratio."""
+    out: dict[str, dict[str, float]] = {}
+    for r in runs:
+        if r["mode"] in (BATCHED_MODE, ONE_AT_A_TIME_MODE):
+            key = "batched" if r["mode"] == BATCHED_MODE else "one_at_a_time"
+            out.setdefault(str(r["n_targets"]), {})[key] = r["system_tokens_per_s"]
+    for row in out.values():
+        if row.get("batched") and row.get("one_at_a_time"):
+            row["ratio"] = row["batched"] / row["one_at_a_time"]
+    return out
+
+
+def service_points(proposer: Proposer, vocab_size: int, gamma: int,
+                   sizes: tuple[int, ...] = (1, 2, 4, 8), repeats: int = 3
+                   ) -> list[tuple[int, float]]:  # fmt: skip
+    """S(B) of the hub's LLM proposer in process, for the batched runs' model (seconds)."""
+    import statistics
+
+    from bench_service import FakeSessions, time_sizes
+
+    times = time_sizes(FakeSessions(proposer, vocab_size, gamma), sizes, repeats)
+    return [(b, statistics.median(t)) for b, t in sorted(times.items())]
+
+
+def hub_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo, run: HubRun,
+            inputs: analytic.ModelInputs, curve: list[tuple[int, float]] | None = None
+            ) -> dict:  # fmt: skip
+    """``run.n`` target processes and fresh hubs: one shared (one-for-many) or one each (1:1)."""
+    mode, n, kind = run.mode, run.n, run.kind
+    n_hubs = n if mode == "distributed-1to1" else 1
     model, extra = (cfg.eagle, ["--draft-kind", "eagle", "--target", cfg.target]
                     ) if kind == "eagle" else (cfg.draft, [])  # fmt: skip
     hubs = start_hubs(procs, model, [work / f"hub-{mode}-{kind}-{n}-{i}.log"
-                                     for i in range(n_hubs)], "--gamma", str(cfg.gamma), *extra)
+                                     for i in range(n_hubs)], "--gamma", str(cfg.gamma),
+                      "--max-batch", str(run.max_batch), *extra)  # fmt: skip
     endpoints = [ep for _, ep in hubs]
     before = [transport.run_loop(hub_stats(ep, info)) for ep in endpoints]
-    rows = run_targets(cfg, procs, work, (endpoints * n)[:n], f"{mode}-{kind}-{n}")
+    rows = run_targets(cfg, procs, work, (endpoints * n)[:n], f"{mode}-{kind}-{n}",
+                       concurrency=run.concurrency)  # fmt: skip
     after = [transport.run_loop(hub_stats(ep, info)) for ep in endpoints]
     for proc, _ in hubs:
         stop(proc)
-    decode_wall = max(sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in t)
-                      for t in rows)  # fmt: skip
+    decode_wall = max(decode_seconds(t, run.concurrency) for t in rows)
     busy = sum(a.busy_s - b.busy_s for a, b in zip(after, before, strict=True)) / len(hubs)
     queue_ms = sum(busy_between(b, a)[1] for a, b in zip(after, before, strict=True)) / len(hubs)
-    per_hub = 1 if mode == "distributed-1to1" else n  # targets each hub serves
+    jobs = sum(a.jobs - b.jobs for a, b in zip(after, before, strict=True))
+    batches = sum(a.batches - b.batches for a, b in zip(after, before, strict=True))
+    per_hub = 1 if mode == "distributed-1to1" else n * run.concurrency  # sessions per hub
+    model_rate = predicted(inputs, per_hub, run, curve) if kind == "llm" else None
     record = targets_record(
-        mode, rows, cfg.gamma, hub_busy_fraction=min(1.0, busy / decode_wall),
+        mode, rows, cfg.gamma, run.concurrency, hub_busy_fraction=min(1.0, busy / decode_wall),
         queue_wait_ms=queue_ms, bytes_per_round=proposal_bytes(cfg.gamma), draft_kind=kind,
-        predicted_system_tokens_per_s=len(hubs) * analytic.predict(
-            inputs, per_hub).system_tokens_per_s if kind == "llm" else None,
+        predicted_system_tokens_per_s=None if model_rate is None else len(hubs) * model_rate,
+        max_batch=run.max_batch,
+        mean_batch_size=jobs / batches if batches else None,
     )  # fmt: skip
     if kind == "eagle":  # features of the committed positions travel up with each DRAFT
         record["feature_bytes_per_round"] = (record["mean_accepted"] + 1) * info.feature_width * 2
         record["bytes_per_round"] += record["feature_bytes_per_round"]
     return record
+
+
+def predicted(inputs: analytic.ModelInputs, sessions: int, run: HubRun,
+              curve: list[tuple[int, float]] | None) -> float | None:  # fmt: skip
+    """The model's system tokens/s for one hub serving ``sessions``: per job for a hub that
+    drafts one at a time, with S(B) for a batched one (None until starsd.analytic has S(B))."""
+    if run.max_batch == 1 or run.mode != BATCHED_MODE:
+        return analytic.predict(inputs, sessions).system_tokens_per_s
+    with_curve = bench_scale.batched_inputs(inputs, run.max_batch, curve or [])
+    if with_curve is None:
+        return None
+    return analytic.predict(with_curve, sessions).system_tokens_per_s
 
 
 # ---------------------------------------------------------------------- report
@@ -287,32 +359,44 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Measured against predicted system throughput (and per-target) per run."""
+    """Measured against predicted system throughput per run; for the main suite also the
+    batched hub against the one-at-a-time hub per N."""
+    if result["suite"] == "scale":
+        bench_scale.plot(result, path)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = result["runs"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    if result["suite"] == "scale":
-        runs = [r for r in runs if r["mode"] == "emulated"]
-        ns = [r["n_targets"] for r in runs]
-        ax.plot(ns, [r["system_tokens_per_s"] for r in runs], "o-", label="system (measured)")
-        ax.plot(ns, [r["predicted_system_tokens_per_s"] for r in runs], "--",
-                label="system (model)")  # fmt: skip
-        ax.plot(ns, [r["per_target_tokens_per_s"] for r in runs], "s-", label="per target")
-        ax.axvline(result["n_full_model"], ls=":", c="red", label="N_full (model)")
-        ax.set(xscale="log", xlabel="emulated targets N", ylabel="tokens/s")
-    else:
-        labels = [f"{_label(r)}\nN={r['n_targets']}" for r in runs]
-        ax.bar(labels, [r["system_tokens_per_s"] for r in runs], label="measured")
-        pred = [r["predicted_system_tokens_per_s"] or 0 for r in runs]
-        ax.scatter(labels, pred, c="red", zorder=3, label="model")
-        ax.set(ylabel="system tokens/s")
-        ax.tick_params(axis="x", labelsize=7)
+    pairs = result.get("batched_vs_one_at_a_time") or {}
+    fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(13 if pairs else 8, 4.8),
+                             gridspec_kw={"width_ratios": [2.2, 1]} if pairs else None,
+                             squeeze=False)  # fmt: skip
+    ax = axes[0][0]
+    labels = [f"{_label(r)}\nN={r['n_targets']}" for r in runs]
+    ax.bar(labels, [r["system_tokens_per_s"] for r in runs], label="measured")
+    modelled = [(lab, r["predicted_system_tokens_per_s"]) for lab, r in zip(labels, runs,
+                strict=True) if r["predicted_system_tokens_per_s"] is not None]  # fmt: skip
+    ax.scatter([lab for lab, _ in modelled], [p for _, p in modelled], c="red", zorder=3,
+               label="model")  # fmt: skip
+    ax.set(ylabel="system tokens/s")
+    ax.tick_params(axis="x", labelsize=6, labelrotation=90)
     ax.legend()
     ax.set_title(f"StarSD {result['suite']} benchmark")
+    if pairs:
+        ax2 = axes[0][1]
+        ns = sorted(pairs, key=int)
+        width = 0.38
+        xs = range(len(ns))
+        for offset, key, label in ((-width / 2, "one_at_a_time", "--max-batch 1"),
+                                   (width / 2, "batched", "batched")):  # fmt: skip
+            ax2.bar([x + offset for x in xs], [pairs[n].get(key, 0) for n in ns], width,
+                    label=label)  # fmt: skip
+        ax2.set_xticks(list(xs), [f"N={n} x {BATCHED_CONCURRENCY}" for n in ns])
+        ax2.set(ylabel="system tokens/s", title="one hub: batched vs one at a time")
+        ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -330,10 +414,17 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--verify-ms", type=float, default=BenchConfig.verify_ms)
     p.add_argument("--delay-ms", type=float, default=BenchConfig.delay_ms)
     p.add_argument("--rate-mbit", type=float, default=BenchConfig.rate_mbit)
+    p.add_argument("--max-batch", type=int, default=BenchConfig.max_batch,
+                   help="the batched hub's --max-batch (the baseline hub runs with 1)")
+    p.add_argument("--scale-ns", type=int, nargs="+", default=list(BenchConfig.scale_ns),
+                   help="scale suite: emulated targets per step (default up to 256; --quick 128)")
     p.add_argument("--out-dir", default=BenchConfig.out_dir)
     a = vars(p.parse_args(argv))
+    a["scale_ns"] = tuple(a["scale_ns"])
     if a["quick"]:
-        a.update(max_new_tokens=32, ns=(1, 2), duration=2.5, calibration=1.5)
+        a.update(max_new_tokens=32, ns=(1, 2), duration=2.0, calibration=1.0, warmup=0.5)
+        if a["scale_ns"] == BenchConfig.scale_ns:
+            a["scale_ns"] = tuple(n for n in a["scale_ns"] if n <= 128)
     return BenchConfig(**a)
 
 
@@ -395,7 +486,7 @@ def _link(cfg: BenchConfig) -> dict:
     return {"link": {"one_way_delay_ms": cfg.delay_ms, "rate_mbit": cfg.rate_mbit}}
 
 
-SUITES = {"main": suite_main, "scale": suite_scale, "lan": suite_lan}
+SUITES = {"main": suite_main, "scale": bench_scale.suite_scale, "lan": suite_lan}
 OUT_NAMES = {"main": "bench", "scale": "bench-scale", "lan": "bench-lan"}
 
 
@@ -423,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
-    print(markdown(result))
+    print(bench_scale.markdown(result) if cfg.suite == "scale" else markdown(result))
     print({k: v for k, v in result.items() if k not in ("runs", "config")})
     print(f"wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f} s")
     return 0

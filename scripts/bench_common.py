@@ -10,9 +10,9 @@ from typing import Any
 
 from harness import REPO, Processes, start_hub, stop, wait_for_line
 
-from edge.client import TargetInfo
-from starsd import models
-from starsd.protocol import Hello
+from edge.client import HubClient, TargetInfo
+from starsd import models, transport
+from starsd.protocol import Hello, Stats
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,12 @@ class BenchConfig:
     gamma: int = 4
     max_new_tokens: int = 64
     ns: tuple[int, ...] = (1, 2, 3)
-    scale_ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    scale_ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    max_batch: int = 64  # the batched hub's --max-batch (the baseline hub runs with 1)
     alpha: float = 0.7
     verify_ms: float = 8.0
     duration: float = 4.0
+    warmup: float = 1.0  # emulated runs: at least this long before the first slice
     calibration: float = 2.0  # emulated runs: seconds of calibration slices around the window
     delay_ms: float = 1.0
     rate_mbit: float = 1000.0
@@ -49,8 +51,22 @@ def run_record(mode: str, n: int, **fields: Any) -> dict[str, Any]:
     return base
 
 
-def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo) -> dict:
-    """Null-drafter hub round against a bare ZeroMQ echo process (see scripts/overhead.py)."""
+async def hub_stats(endpoint: str, info: TargetInfo) -> Stats:
+    """One STATS reply from the hub at ``endpoint``."""
+    ctx = transport.new_context()
+    client = HubClient(ctx, endpoint, info)
+    try:
+        await client.connect()
+        return await client.stats()
+    finally:
+        await client.aclose()
+        ctx.term()
+
+
+def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
+                 rounds: int | None = None) -> dict:  # fmt: skip
+    """Null-drafter hub round against a bare ZeroMQ echo process (see scripts/overhead.py);
+    ``rounds`` per probe (default 3000, 1000 with --quick)."""
     import overhead
 
     print("[overhead] hub round (null drafter) against a bare ZeroMQ echo ...", flush=True)
@@ -58,7 +74,8 @@ def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInf
     echo_ep = wait_for_line(work / "echo.log", r"echo listening on (tcp://\S+)", echo)
     hub, hub_ep = _null_hub(cfg, procs, work, None)
     try:
-        result = overhead.measure(echo_ep, hub_ep, _hello(info), 1000 if cfg.quick else 3000)
+        result = overhead.measure(echo_ep, hub_ep, _hello(info),
+                                  rounds or (1000 if cfg.quick else 3000))
     finally:
         stop(hub)
         stop(echo)

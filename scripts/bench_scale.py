@@ -1,27 +1,47 @@
 """The scale suite: emulated targets against the real hub, N swept, the model beside each step.
 
+Two hubs on the same draft CPU, swept in one invocation and alternating at every N (this
+machine's speed drifts): the one-at-a-time hub (``--max-batch 1``, the baseline) and the
+batched hub (``--max-batch`` M, default 64). Per run: throughput, the hub's busy fraction, mean
+batch size and S(B) over the window, each round's wait for its proposal (p50/p99), the hub's RSS;
+per hub: N_full (model and measured), the model's largest error, the RSS bound; across hubs the
+saturated throughput ratio. The S(B) curves of the draft LLM and the EAGLE head are measured
+first, in process (scripts/bench_service.py), on the same CPU.
+
 Run through ``python scripts/bench.py --suite scale`` (``make bench-scale``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
-from bench_common import BenchConfig, hub_overhead, link_round_ms, run_record
-from harness import REPO, Processes, start_hub, start_hubs, stop
+from bench_common import BenchConfig, hub_overhead, hub_stats, link_round_ms, run_record
+from harness import REPO, Processes, rss_mb, start_hubs, stop
 
 from edge.client import TargetInfo
-from starsd import analytic, models
+from starsd import analytic, models, transport
 from starsd.stats import latency_summary
+
+# The two hubs compared, by record mode; "batched" runs with cfg.max_batch.
+ONE_AT_A_TIME, BATCHED = "one-at-a-time", "batched"
+HUBS = (ONE_AT_A_TIME, BATCHED)
+BUSY_FULL = 0.95  # the model's fully-loaded regime, as measured: the hub no longer idles
+QUICK_OVERHEAD_ROUNDS = 300
+RSS_BOUND = 0.10  # RSS after the sweep (sessions closed) at most 10% above the peak N's
 
 
 def emulated_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
-                 endpoint: str, n: int, cpus: set[int] | None) -> dict:  # fmt: skip
+                 endpoint: str, n: int, cpus: set[int] | None, tag: str = "") -> dict:  # fmt: skip
     """``python scripts/emulated.py`` with ``n`` targets; its JSON report."""
-    return _emulators(cfg, procs, work, info, [endpoint], n, cpus, warmup=1.0)[0]
+    return _emulators(cfg, procs, work, info, [endpoint], n, cpus, cfg.warmup, tag=tag)[0]
 
 
 def placement() -> tuple[set[int] | None, set[int] | None]:
@@ -40,13 +60,13 @@ def placement() -> tuple[set[int] | None, set[int] | None]:
 
 
 def _emulators(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
-               endpoints: list[str], n: int, cpus: set[int] | None, warmup: float
-               ) -> list[dict]:  # fmt: skip
+               endpoints: list[str], n: int, cpus: set[int] | None, warmup: float,
+               tag: str = "") -> list[dict]:  # fmt: skip
     """One emulator process per endpoint, all at once, ``n`` targets each; their reports."""
     verify_ms, duration = cfg.verify_ms, cfg.duration
     running = []
     for i, endpoint in enumerate(endpoints):
-        out = work / f"emulated-{n}-{verify_ms}-{len(endpoints)}-{i}.json"
+        out = work / f"emulated{tag}-{n}-{verify_ms}-{len(endpoints)}-{i}.json"
         args = [str(REPO / "scripts" / "emulated.py"), "--hub", endpoint, "--vocab-size",
                 str(info.vocab_size), "--tokenizer", info.tokenizer, "--targets",
                 str(n), "--alpha", str(cfg.alpha), "--verify-ms", str(verify_ms), "--gamma",
@@ -87,50 +107,210 @@ def emulated_one_to_one(cfg: BenchConfig, procs: Processes, work: Path, info: Ta
     )  # fmt: skip
 
 
-def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
-    """Emulated targets against the real hub: N swept, the model's prediction beside each.
+# ---------------------------------------------------------------------- the sweep
 
-    The model's inputs come from the same run but never from the window it predicts: the link
-    time is the null-drafter round (bare echo plus the hub's own path) measured with the sweep's
-    CPU placement; S(d) and the verify time come from each step's calibration slices (see
-    :func:`emulated_prediction`); the sweep-wide S(d) sets the model's N_full.
-    """
-    target = models.load_tokenizer_info(cfg.target)  # the emulated targets claim its tokenizer
-    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
-    overhead = hub_overhead(cfg, procs, work, info)
-    cpus = placement()
-    link_ms = link_round_ms(cfg, procs, work, info, cpus)
-    hub, endpoint = start_hub(procs, cfg.draft, work / "hub-scale.log", "--gamma",
-                              str(cfg.gamma), "--max-sessions", "4096", cpus=cpus[0])  # fmt: skip
-    reports = []
-    for n in cfg.scale_ns:
-        print(f"[scale] {n} emulated targets ...", flush=True)
-        reports.append(emulated_run(cfg, procs, work, info, endpoint, n, cpus[1]))
-    stop(hub)
+
+class Phases:
+    """Wall seconds per named phase of the suite (``with phases("name"): ...``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - started
+            print(f"[scale] {name}: {self.seconds[name]:.1f} s", flush=True)
+
+
+class RssSampler:
+    """The peak RSS of a process while the ``with`` block runs (sampled every ``interval``)."""
+
+    def __init__(self, pid: int, interval: float = 0.05) -> None:
+        self.pid, self.interval = pid, interval
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self.peak_mb = rss_mb(self.pid)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, rss_mb(self.pid))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.peak_mb = max(self.peak_mb, rss_mb(self.pid))
+            except (FileNotFoundError, ProcessLookupError):  # the hub exited: the run fails
+                return
+
+
+def sweep_order(ns: Sequence[int], hubs: Sequence[str] = HUBS) -> list[tuple[int, str]]:
+    """(N, hub) in run order: every N for both hubs, the hub that goes first alternating."""
+    order = []
+    for i, n in enumerate(ns):
+        order += [(n, h) for h in (hubs if i % 2 == 0 else tuple(reversed(hubs)))]
+    return order
+
+
+def wait_sessions_closed(endpoint: str, info: TargetInfo, timeout: float = 15.0) -> int:
+    """Poll the hub until it holds no session (its targets are gone); the sessions left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sessions = transport.run_loop(hub_stats(endpoint, info)).sessions
+        if sessions == 0 or time.monotonic() > deadline:
+            return sessions
+        time.sleep(0.25)
+
+
+def run_sweep(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
+              cpus: tuple[set[int] | None, set[int] | None]) -> dict[str, Any]:  # fmt: skip
+    """Both hubs at every N, alternating; their reports (with RSS) and the after-sweep RSS."""
+    max_batch = {ONE_AT_A_TIME: 1, BATCHED: cfg.max_batch}
+    started = start_hubs(procs, cfg.draft, [work / f"hub-scale-{h}.log" for h in HUBS],
+                         "--gamma", str(cfg.gamma), "--max-sessions", "4096", cpus=cpus[0],
+                         per_hub=[["--max-batch", str(max_batch[h])] for h in HUBS])  # fmt: skip
+    hubs = dict(zip(HUBS, started, strict=True))
+    reports: dict[str, list[dict]] = {h: [] for h in HUBS}
+    for n, hub in sweep_order(cfg.scale_ns):
+        proc, endpoint = hubs[hub]
+        t0 = time.perf_counter()
+        with RssSampler(proc.pid) as rss:
+            report = emulated_run(cfg, procs, work, info, endpoint, n, cpus[1], tag=f"-{hub}")
+        report.update(max_batch=max_batch[hub], hub_rss_peak_mb=rss.peak_mb,
+                      hub_rss_after_mb=rss_mb(proc.pid))  # fmt: skip
+        reports[hub].append(report)
+        print(f"[scale] {hub} hub (max-batch {max_batch[hub]}), {n} emulated targets: "
+              f"{report['system_tokens_per_s']:.0f} tok/s, busy {report['hub_busy_fraction']:.2f},"
+              f" batch {report['mean_batch_size'] or 0:.1f}, RSS {rss.peak_mb:.0f} MiB "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+    after: dict[str, dict[str, Any]] = {}
+    for hub, (proc, endpoint) in hubs.items():
+        left = wait_sessions_closed(endpoint, info)
+        after[hub] = {"rss_mb": rss_mb(proc.pid), "sessions_left": left}
+    for proc, _ in hubs.values():
+        stop(proc)
+    return {"reports": reports, "after": after, "max_batch": max_batch}
+
+
+def service_curves(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | None
+                   ) -> dict[str, Any] | None:  # fmt: skip
+    """S(B) of the draft LLM and the EAGLE head, in process (scripts/bench_service.py)."""
+    print("[scale] S(B) of the drafters in process (scripts/bench_service.py) ...", flush=True)
+    out = work / "service.json"
+    args = [str(REPO / "scripts" / "bench_service.py"), "--draft", cfg.draft, "--target",
+            cfg.target, "--eagle", cfg.eagle, "--gamma", str(cfg.gamma), "--out", str(out),
+            "--no-plot", *(["--quick", "--repeats", "3", "--no-memory"] if cfg.quick else [])
+            ]  # fmt: skip
+    proc = procs.start(args, work / "service.log", cpus=cpus)
+    if proc.wait(timeout=900) != 0:
+        print(f"[scale] S(B) measurement failed:\n{(work / 'service.log').read_text()[-2000:]}")
+        return None
+    result: dict[str, Any] = json.loads(out.read_text())
+    for kind, d in result["drafters"].items():
+        print(f"[scale]   {kind}: " + ", ".join(f"S({r['batch']}) {r['median_ms']:.1f} ms"
+                                               for r in d["rows"]), flush=True)  # fmt: skip
+    return result
+
+
+# ---------------------------------------------------------------------- the model
+
+
+def batched_inputs(inputs: analytic.ModelInputs, max_batch: int,
+                   points: Iterable[tuple[int, float]]) -> analytic.ModelInputs | None:  # fmt: skip
+    """The model's inputs for a hub that drafts up to ``max_batch`` jobs in one batch, whose
+    service time per batch is S(B) at ``points`` (batch size, seconds); None while
+    starsd.analytic has no S(B) (``ServiceCurve``, ``ModelInputs.max_batch``/``curve``).
+    The one place that builds them."""
+    curve = getattr(analytic, "ServiceCurve", None)
+    pts = tuple(sorted(points))
+    if curve is None or not pts:
+        return None
+    fields: dict[str, Any] = {"max_batch": max_batch, "curve": curve(pts)}
+    return replace(inputs, **fields)
+
+
+def curve_points(calibration: dict) -> dict[int, tuple[int, float]]:
+    """S(B) observations from one step's calibration slices: batch size -> (batches, seconds).
+
+    Per-size counters when the hub's STATS carry them; otherwise the step's mean batch size
+    (rounded) and its mean service per batch."""
+    rows = calibration.get("service_curve")
+    if rows:
+        return {r["batch"]: (r["batches"], r["batches"] * r["service_ms"] / 1e3) for r in rows}
+    batches, mean_b = calibration.get("hub_batches"), calibration.get("mean_batch_size")
+    if not batches or mean_b is None or calibration.get("batch_service_ms") is None:
+        return {}
+    return {max(1, round(mean_b)): (int(batches),
+                                    batches * calibration["batch_service_ms"] / 1e3)}
+
+
+def pooled_points(observations: Iterable[dict[int, tuple[int, float]]]) -> dict[int, float]:
+    """Mean S(B) per batch size over several steps' observations (weighted by batches)."""
+    totals: dict[int, list[float]] = {}
+    for obs in observations:
+        for b, (count, seconds) in obs.items():
+            row = totals.setdefault(b, [0, 0.0])
+            row[0] += count
+            row[1] += seconds
+    return {b: s / c for b, (c, s) in totals.items() if c}
+
+
+def sweep_inputs(cfg: BenchConfig, reports: list[dict], link_ms: float) -> analytic.ModelInputs:
+    """One hub's sweep-wide per-job model inputs: S(d) = busy / jobs over every window."""
     draft_s = sum(r["hub_busy_s"] for r in reports) / sum(r["hub_jobs"] for r in reports)
     verify_s = sum(r["verify_ms"] for r in reports) / len(reports) / 1e3
-    inputs = analytic.ModelInputs(cfg.alpha, cfg.gamma, draft_s, verify_s, link_ms / 1e3,
-                                  cfg.verify_ms / 1e3)  # fmt: skip
-    runs = [emulated_record(inputs, r) for r in reports]
-    summary = saturation(runs, inputs)
-    one_to_one = emulated_one_to_one(cfg, procs, work, info, summary["n_full_measured"], cpus)
-    return {"runs": [*runs, one_to_one], "model_inputs": asdict(inputs), **summary,
-            "latency_std_ms": latency_steadiness(runs, one_to_one, summary["n_full_measured"]),
-            "hub_overhead": overhead, "link_round_ms": link_ms,
-            "placement": {"hubs": sorted(cpus[0] or []), "targets": sorted(cpus[1] or [])}}
+    return analytic.ModelInputs(cfg.alpha, cfg.gamma, draft_s, verify_s, link_ms / 1e3,
+                                cfg.verify_ms / 1e3)  # fmt: skip
 
 
-def emulated_record(inputs: analytic.ModelInputs, report: dict) -> dict:
-    """One sweep step's record: what the window measured, and the model's prediction of it."""
+def emulated_record(inputs: analytic.ModelInputs, report: dict, hub: str = BATCHED,
+                    curve: dict[int, float] | None = None) -> dict:  # fmt: skip
+    """One sweep step's record: what the window measured, and the model's prediction of it.
+
+    ``curve`` (the sweep's S(B), batched hub): the prediction is the model with S(B), this
+    step's own calibration points taking precedence, when starsd.analytic has it; otherwise
+    the per-job model calibrated on this step.
+    """
     calibration = report["calibration"]
+    per_job = emulated_prediction(inputs, report, calibrated=True)
+    with_curve = None
+    if curve is not None:
+        own = {b: s / c for b, (c, s) in curve_points(calibration).items() if c}
+        with_curve = curve_prediction(inputs, report, {**curve, **own})
     return run_record(
-        "emulated", report["n_targets"], **{k: report[k] for k in _EMULATED_KEYS},
+        f"emulated-{hub}", report["n_targets"], **{k: report[k] for k in _EMULATED_KEYS},
+        max_batch=report.get("max_batch", 1), mean_batch_size=report.get("mean_batch_size"),
+        batch_service_ms=report.get("batch_service_ms"),
+        service_curve=report.get("service_curve"),
+        calibrated_mean_batch_size=calibration.get("mean_batch_size"),
+        proposal_wait_ms=report.get("proposal_wait_ms"),
+        emulator_cpu_fraction=report.get("emulator_cpu_fraction"),
+        hub_rss_peak_mb=report.get("hub_rss_peak_mb"),
+        hub_rss_after_mb=report.get("hub_rss_after_mb"),
         draft_service_ms=1e3 * report["draft_service_s"], verify_ms=report["verify_ms"],
         calibrated_draft_service_ms=None if calibration["draft_service_s"] is None
         else 1e3 * calibration["draft_service_s"],
-        predicted_system_tokens_per_s=emulated_prediction(inputs, report, calibrated=True),
+        predicted_system_tokens_per_s=per_job if with_curve is None else with_curve,
+        prediction_model="per-job S(d)" if with_curve is None else "S(B)",
+        predicted_per_job_tokens_per_s=per_job,
         predicted_one_s_tokens_per_s=emulated_prediction(inputs, report, calibrated=False),
     )  # fmt: skip
+
+
+def _run_inputs(inputs: analytic.ModelInputs, report: dict) -> analytic.ModelInputs:
+    """The workload's realised alpha and verify time (the calibration slices' when measured)."""
+    alpha = analytic.alpha_from_mean_accepted(report["mean_accepted"], inputs.gamma)
+    verify_ms = report["calibration"]["verify_ms"] or report["verify_ms"]
+    return replace(inputs, alpha=alpha, verify_s=verify_ms / 1e3)
 
 
 def emulated_prediction(inputs: analytic.ModelInputs, report: dict, calibrated: bool) -> float:
@@ -151,6 +331,16 @@ def emulated_prediction(inputs: analytic.ModelInputs, report: dict, calibrated: 
     if calibrated and calibration["verify_ms"] is not None:
         run_inputs = replace(run_inputs, verify_s=calibration["verify_ms"] / 1e3)
     return analytic.predict(run_inputs, report["n_targets"]).system_tokens_per_s
+
+
+def curve_prediction(inputs: analytic.ModelInputs, report: dict, curve: dict[int, float]
+                     ) -> float | None:  # fmt: skip
+    """The model with S(B) for one step of the batched sweep (None without S(B) support)."""
+    max_batch = report.get("max_batch", 1)
+    with_curve = batched_inputs(_run_inputs(inputs, report), max_batch, curve.items())
+    if with_curve is None:
+        return None
+    return analytic.predict(with_curve, report["n_targets"]).system_tokens_per_s
 
 
 def latency_steadiness(runs: list[dict], one_to_one: dict, n_full: int) -> dict:
@@ -179,7 +369,7 @@ def saturation(runs: list[dict], inputs: analytic.ModelInputs) -> dict:
     two, so the model's N_full matches when it lies within one step of it.
     """
     ns = [r["n_targets"] for r in runs]
-    measured = next((r["n_targets"] for r in runs if r["hub_busy_fraction"] >= 0.95), ns[-1])
+    measured = next((r["n_targets"] for r in runs if r["hub_busy_fraction"] >= BUSY_FULL), ns[-1])
     model = analytic.saturation_point(inputs)
     model_step = next((i for i, n in enumerate(ns) if n >= model), len(ns) - 1)
     return {"n_full_measured": measured, "n_full_model": model,
@@ -190,3 +380,185 @@ def saturation(runs: list[dict], inputs: analytic.ModelInputs) -> dict:
 
 def _max_error(runs: list[dict], key: str) -> float:
     return max(abs(r["system_tokens_per_s"] / r[key] - 1) for r in runs)
+
+
+# ---------------------------------------------------------------------- summaries
+
+
+def busy_from(runs: list[dict], n_full: int) -> dict[str, Any]:
+    """The least busy fraction from N_full on, and whether it stays at the fully-loaded 0.95."""
+    busy = [r["hub_busy_fraction"] for r in runs if r["n_targets"] >= n_full]
+    least = min(busy) if busy else None
+    return {"min_busy_from_n_full": least,
+            "busy_from_n_full_ok": None if least is None else least >= BUSY_FULL}
+
+
+def rss_bound(runs: list[dict], after_sweep_mb: float) -> dict[str, Any]:
+    """Bounded memory: the RSS after the sweep, every session closed, against the RSS at the
+    peak N (the largest sampled while its sessions were open); at most 10% above it."""
+    peak = max(runs, key=lambda r: r["n_targets"])
+    ratio = after_sweep_mb / peak["hub_rss_peak_mb"]
+    return {"peak_n": peak["n_targets"], "rss_at_peak_n_mb": peak["hub_rss_peak_mb"],
+            "rss_after_sweep_mb": after_sweep_mb, "after_over_peak": ratio,
+            "within_bound": ratio <= 1 + RSS_BOUND,
+            "rss_first_mb": min(runs, key=lambda r: r["n_targets"])["hub_rss_peak_mb"]}
+
+
+def saturated_tokens_per_s(runs: list[dict], n_full: int) -> float:
+    """The hub's saturated throughput: the best system tokens/s from its N_full on."""
+    return max(r["system_tokens_per_s"] for r in runs if r["n_targets"] >= n_full)
+
+
+def compare_hubs(one: list[dict], batched: list[dict], one_full: int, batched_full: int
+                 ) -> dict[str, Any]:  # fmt: skip
+    """Batched against one-at-a-time: saturated throughput ratio, and the ratio at every N
+    (both ran at that N back to back, so drift hardly enters it)."""
+    by_n = {r["n_targets"]: r["system_tokens_per_s"] for r in one}
+    ratios = {str(r["n_targets"]): r["system_tokens_per_s"] / by_n[r["n_targets"]]
+              for r in batched if by_n.get(r["n_targets"])}  # fmt: skip
+    one_sat = saturated_tokens_per_s(one, one_full)
+    batched_sat = saturated_tokens_per_s(batched, batched_full)
+    return {"saturated_tokens_per_s": {ONE_AT_A_TIME: one_sat, BATCHED: batched_sat},
+            "saturated_throughput_ratio": batched_sat / one_sat,
+            "throughput_ratio_by_n": ratios}  # fmt: skip
+
+
+def hub_summary(runs: list[dict], inputs: analytic.ModelInputs, after_sweep_mb: float,
+                max_batch: int, model_inputs: analytic.ModelInputs | None = None
+                ) -> dict[str, Any]:  # fmt: skip
+    """One hub's figures over its sweep: N_full, errors, busy from N_full, RSS, waits."""
+    summary = saturation(runs, model_inputs or inputs)
+    return {"max_batch": max_batch, **summary,
+            **busy_from(runs, summary["n_full_measured"]),
+            "rss": rss_bound(runs, after_sweep_mb),
+            "proposal_wait_ms": {str(r["n_targets"]): r["proposal_wait_ms"] for r in runs},
+            "prediction_model": runs[-1].get("prediction_model", "per-job S(d)")}
+
+
+def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
+    """Emulated targets against both real hubs: N swept, the model's prediction beside each.
+
+    The model's inputs come from the same run but never from the window it predicts: the link
+    time is the null-drafter round (bare echo plus the hub's own path) measured with the sweep's
+    CPU placement; S(d) and the verify time come from each step's calibration slices (see
+    :func:`emulated_prediction`); the sweep-wide S(d) sets the model's N_full. The batched hub's
+    model takes S(B) from the calibration slices of its whole sweep.
+    """
+    target = models.load_tokenizer_info(cfg.target)  # the emulated targets claim its tokenizer
+    info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
+    phases = Phases()
+    with phases("hub_overhead"):
+        # (the quick sweep of two hubs needs the time: fewer rounds of the overhead probe)
+        rounds = QUICK_OVERHEAD_ROUNDS if cfg.quick else None
+        overhead = hub_overhead(cfg, procs, work, info, rounds)
+    cpus = placement()
+    with phases("link"):
+        link_ms = link_round_ms(cfg, procs, work, info, cpus)
+    with phases("service"):
+        service = service_curves(cfg, procs, work, cpus[0])
+    with phases("sweep"):
+        sweep = run_sweep(cfg, procs, work, info, cpus)
+    reports, after = sweep["reports"], sweep["after"]
+    inputs = {h: sweep_inputs(cfg, reports[h], link_ms) for h in HUBS}
+    curve = pooled_points(curve_points(r["calibration"]) for r in reports[BATCHED])
+    runs = {ONE_AT_A_TIME: [emulated_record(inputs[ONE_AT_A_TIME], r, ONE_AT_A_TIME)
+                            for r in reports[ONE_AT_A_TIME]],
+            BATCHED: [emulated_record(inputs[BATCHED], r, BATCHED, curve)
+                      for r in reports[BATCHED]]}  # fmt: skip
+    batched_model = batched_inputs(inputs[BATCHED], cfg.max_batch, curve.items())
+    summaries = {h: hub_summary(runs[h], inputs[h], after[h]["rss_mb"], sweep["max_batch"][h],
+                                batched_model if h == BATCHED else None)
+                 for h in HUBS}  # fmt: skip
+    for h in HUBS:
+        summaries[h]["sessions_left_after_sweep"] = after[h]["sessions_left"]
+    base = summaries[ONE_AT_A_TIME]
+    one_to_one, steadiness = None, None
+    if not cfg.quick:  # 20-25 s that the quick sweep of two hubs has no room for
+        with phases("one_to_one"):
+            one_to_one = emulated_one_to_one(cfg, procs, work, info, base["n_full_measured"],
+                                             cpus)  # fmt: skip
+        steadiness = latency_steadiness(runs[ONE_AT_A_TIME], one_to_one, base["n_full_measured"])
+    return {
+        "runs": [*runs[ONE_AT_A_TIME], *runs[BATCHED], *([one_to_one] if one_to_one else [])],
+        # the one-at-a-time hub's per-job model (what `make analytic` reads) and N_full figures
+        "model_inputs": asdict(inputs[ONE_AT_A_TIME]),
+        **{k: base[k] for k in ("n_full_measured", "n_full_model", "n_full_within_one_step",
+                                "max_prediction_error", "max_prediction_error_one_s")},
+        "model_inputs_batched": {**asdict(inputs[BATCHED]), "max_batch": cfg.max_batch,
+                                 "curve": sorted(curve.items())},
+        "hubs": summaries,
+        **compare_hubs(runs[ONE_AT_A_TIME], runs[BATCHED], base["n_full_measured"],
+                       summaries[BATCHED]["n_full_measured"]),
+        "service": service,
+        "latency_std_ms": steadiness,  # null with --quick (no 1:1 baseline)
+        "hub_overhead": overhead, "link_round_ms": link_ms,
+        "placement": {"hubs": sorted(cpus[0] or []), "targets": sorted(cpus[1] or [])},
+        "phase_s": phases.seconds,
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------- report
+
+
+def markdown(result: dict) -> str:
+    """Both hubs' sweeps side by side, and the summary figures."""
+    lines = ["| hub | N | system tok/s | model | busy | mean batch | proposal wait p50/p99 ms "
+             "| hub RSS MiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        if not r["mode"].startswith("emulated-"):
+            continue
+        wait = r["proposal_wait_ms"] or {}
+        lines.append(
+            f"| {r['mode'].removeprefix('emulated-')} (M={r['max_batch']}) | {r['n_targets']} | "
+            f"{r['system_tokens_per_s']:.1f} | {r['predicted_system_tokens_per_s']:.1f} | "
+            f"{r['hub_busy_fraction']:.2f} | {r['mean_batch_size'] or 0:.2f} | "
+            f"{wait.get('p50', 0):.1f}/{wait.get('p99', 0):.1f} | {r['hub_rss_peak_mb']:.0f} |")
+    lines.append("")
+    for hub, s in result["hubs"].items():
+        lines.append(
+            f"* {hub} (max-batch {s['max_batch']}): N_full measured {s['n_full_measured']}, "
+            f"model {s['n_full_model']}; largest model error {100 * s['max_prediction_error']:.1f}%"
+            f" ({s['prediction_model']}); least busy from N_full on "
+            f"{s['min_busy_from_n_full']:.3f}; RSS at N={s['rss']['peak_n']} "
+            f"{s['rss']['rss_at_peak_n_mb']:.0f} MiB, after the sweep "
+            f"{s['rss']['rss_after_sweep_mb']:.0f} MiB ({s['rss']['after_over_peak']:.2f}x)")
+    lines.append(f"* saturated throughput batched / one-at-a-time: "
+                 f"{result['saturated_throughput_ratio']:.2f}x")
+    for kind, d in (result.get("service") or {}).get("drafters", {}).items():
+        lines.append(f"* S(B) {kind}: S(8)/S(1) {d['s8_over_s1']:.2f}, "
+                     f"S(32)/S(1) {d['s32_over_s1']:.2f}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Throughput vs N for both hubs with the model's predictions; S(B) of the drafters."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from bench_service import plot_curves
+
+    fig, (ax, ax_s) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for hub, style in ((ONE_AT_A_TIME, "C0"), (BATCHED, "C1")):
+        runs = [r for r in result["runs"] if r["mode"] == f"emulated-{hub}"]
+        if not runs:
+            continue
+        ns = [r["n_targets"] for r in runs]
+        label = f"{hub} (max-batch {runs[0]['max_batch']})"
+        ax.plot(ns, [r["system_tokens_per_s"] for r in runs], "o-", c=style, label=label)
+        ax.plot(ns, [r["predicted_system_tokens_per_s"] for r in runs], "--", c=style,
+                label=f"{hub}: model ({runs[0]['prediction_model']})")  # fmt: skip
+        ax.axvline(result["hubs"][hub]["n_full_measured"], ls=":", c=style)
+    ax.set(xscale="log", yscale="log", xlabel="emulated targets N", ylabel="system tokens/s",
+           title="throughput vs N (dotted: measured N_full)")  # fmt: skip
+    ax.legend(fontsize=8)
+    if result.get("service"):
+        plot_curves(result["service"], ax_s)
+    curve = result["model_inputs_batched"]["curve"]
+    if curve:
+        ax_s.scatter([b for b, _ in curve], [1e3 * s for _, s in curve], c="k", marker="x",
+                     zorder=3, label="batched hub (sweep calibration)")  # fmt: skip
+        ax_s.legend(fontsize=8)
+    ax_s.set(title="S(B): one batch of B sessions, gamma 4")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -61,7 +61,7 @@ async def test_emulated_run_fills_the_json_contract(
     assert calibration["jobs"] > 0 and calibration["draft_service_s"] > 0
     assert calibration["verify_ms"] > 0
     inputs = analytic.ModelInputs(0.6, 4, report["draft_service_s"], 0.002, 0.0002, 0.002)
-    record = bench_scale.emulated_record(inputs, report)
+    record = bench_scale.emulated_record(inputs, report, bench_scale.ONE_AT_A_TIME)
     alpha = analytic.alpha_from_mean_accepted(report["mean_accepted"], 4)
     calibrated = replace(inputs, alpha=alpha, draft_s=calibration["draft_service_s"],
                          verify_s=calibration["verify_ms"] / 1e3)  # fmt: skip
@@ -69,8 +69,16 @@ async def test_emulated_run_fills_the_json_contract(
         analytic.predict(calibrated, 3).system_tokens_per_s)
     assert set(record) >= CONTRACT
     assert all(record[k] is not None for k in CONTRACT)
-    assert record["mode"] == "emulated" and record["n_targets"] == 3
+    assert record["mode"] == "emulated-one-at-a-time" and record["n_targets"] == 3
+    assert record["prediction_model"] == "per-job S(d)"
     assert len(report["token_latency_ms"]) == report["tokens_in_window"]
+    # what the two-hub sweep adds: batches, the rounds' wait for a proposal, the emulator's load
+    assert report["hub_batches"] > 0 and report["mean_batch_size"] >= 1.0
+    assert report["proposal_wait_ms"]["p99"] >= report["proposal_wait_ms"]["p50"] > 0
+    assert 0.0 < report["emulator_cpu_fraction"] < 1.5
+    assert calibration["hub_batches"] > 0 and calibration["batch_service_ms"] > 0
+    assert set(record) >= {"max_batch", "mean_batch_size", "proposal_wait_ms", "service_curve",
+                           "hub_rss_peak_mb", "hub_rss_after_mb", "emulator_cpu_fraction"}
 
 
 # S(d) = 2 ms, R = 5 ms verify + 1.5 ms link: (S + R) / S = 4.25, so the model's N_full is 5.

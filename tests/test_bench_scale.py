@@ -1,0 +1,193 @@
+"""The two-hub scale sweep's and the S(B) script's pure parts: no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from starsd import analytic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench
+import bench_scale
+import bench_service
+import emulated
+import harness
+
+STATUS = """Name:\tpython
+VmPeak:\t 1200000 kB
+VmHWM:\t  420000 kB
+VmRSS:\t  409600 kB
+Threads:\t4
+"""
+
+
+def test_status_fields_parse_in_kb() -> None:
+    """Catches: VmHWM or VmPeak read for VmRSS (prefix match), and a unit other than kB
+    silently taken as kB."""
+    assert harness.parse_status_kb(STATUS, "VmRSS") == 409600
+    assert harness.parse_status_kb(STATUS, "VmHWM") == 420000
+    with pytest.raises(KeyError):
+        harness.parse_status_kb(STATUS, "VmSwap")
+    with pytest.raises(ValueError):
+        harness.parse_status_kb("VmRSS:\t 12 MB\n", "VmRSS")
+    assert 1.0 < harness.rss_mb() < 1e6  # this process, in MiB
+
+
+def test_sweep_alternates_which_hub_goes_first() -> None:
+    order = bench_scale.sweep_order([1, 2, 4])
+    assert order == [(1, "one-at-a-time"), (1, "batched"), (2, "batched"),
+                     (2, "one-at-a-time"), (4, "one-at-a-time"), (4, "batched")]  # fmt: skip
+
+
+def _stats(sizes: list[int], counts: list[int], seconds: list[float]) -> Any:
+    return SimpleNamespace(batch_sizes=sizes, batch_counts=counts, batch_service_s=seconds)
+
+
+def test_service_curve_from_per_size_counters() -> None:
+    """Catches: cumulative counters taken as the window's (no subtraction), a size first seen
+    inside the window dropped, spans not summed, and a size with no new batch reported."""
+    spans = [
+        (_stats([1, 4], [10, 2], [0.1, 0.05]), _stats([1, 4, 8], [12, 4, 1], [0.12, 0.1, 0.04])),
+        (_stats([1, 4, 8], [12, 4, 1], [0.12, 0.1, 0.04]),
+         _stats([1, 4, 8], [12, 6, 2], [0.12, 0.15, 0.08])),
+    ]  # fmt: skip
+    rows = emulated.service_curve(spans)
+    assert rows == [
+        {"batch": 1, "batches": 2, "service_ms": pytest.approx(10.0)},
+        {"batch": 4, "batches": 4, "service_ms": pytest.approx(25.0)},
+        {"batch": 8, "batches": 2, "service_ms": pytest.approx(40.0)},
+    ]
+    plain = SimpleNamespace(wall_s=1.0)  # today's STATS: no per-size counters
+    assert emulated.service_curve([(plain, plain)]) is None
+
+
+def test_curve_points_prefer_per_size_rows_then_the_mean_batch() -> None:
+    """Catches: the fallback used although per-size rows exist, the mean batch size not
+    rounded to a size, and seconds not scaled back from ms per batch to a total."""
+    rows = [{"batch": 2, "batches": 5, "service_ms": 20.0}]
+    assert bench_scale.curve_points({"service_curve": rows}) == {2: (5, pytest.approx(0.1))}
+    fallback = {"service_curve": None, "hub_batches": 10, "mean_batch_size": 3.6,
+                "batch_service_ms": 30.0}  # fmt: skip
+    assert bench_scale.curve_points(fallback) == {4: (10, pytest.approx(0.3))}
+    assert bench_scale.curve_points({"service_curve": None, "hub_batches": 0,
+                                     "mean_batch_size": None}) == {}  # fmt: skip
+
+
+def test_pooled_points_weigh_by_batches() -> None:
+    pooled = bench_scale.pooled_points([{1: (3, 0.03)}, {1: (1, 0.05), 8: (2, 0.1)}])
+    assert pooled == {1: pytest.approx(0.02), 8: pytest.approx(0.05)}
+
+
+def _run(n: int, tokens: float, busy: float = 1.0, rss: float = 400.0) -> dict:
+    return {"n_targets": n, "system_tokens_per_s": tokens, "hub_busy_fraction": busy,
+            "hub_rss_peak_mb": rss}  # fmt: skip
+
+
+def test_hubs_compared_at_saturation_and_per_n() -> None:
+    """Catches: the saturated figure taken below N_full or as the last run rather than the
+    best, and per-N ratios that pair different N or divide the wrong way round."""
+    one = [_run(1, 100), _run(2, 190), _run(4, 200), _run(8, 180)]
+    batched = [_run(1, 100), _run(2, 250), _run(4, 600), _run(8, 1200)]
+    out = bench_scale.compare_hubs(one, batched, one_full=2, batched_full=8)
+    assert out["saturated_tokens_per_s"] == {"one-at-a-time": 200, "batched": 1200}
+    assert out["saturated_throughput_ratio"] == pytest.approx(6.0)
+    assert out["throughput_ratio_by_n"] == {"1": 1.0, "2": pytest.approx(250 / 190),
+                                            "4": 3.0, "8": pytest.approx(1200 / 180)}
+
+
+def test_busy_from_n_full_and_the_rss_bound() -> None:
+    """Catches: busy checked below N_full too (N = 1 idles by design), and the RSS bound taken
+    against the first N, the largest RSS of any N, or in the wrong direction."""
+    runs = [_run(1, 1, 0.4, 380.0), _run(2, 1, 0.97, 400.0), _run(4, 1, 0.96, 450.0),
+            _run(8, 1, 0.99, 440.0)]  # fmt: skip
+    assert bench_scale.busy_from(runs, 2) == {"min_busy_from_n_full": 0.96,
+                                              "busy_from_n_full_ok": True}  # fmt: skip
+    assert bench_scale.busy_from(runs, 1)["busy_from_n_full_ok"] is False
+    ok = bench_scale.rss_bound(runs, 480.0)  # peak N = 8 at 440 MiB: 1.09x
+    assert ok["peak_n"] == 8 and ok["rss_at_peak_n_mb"] == 440.0
+    assert ok["after_over_peak"] == pytest.approx(480 / 440) and ok["within_bound"] is True
+    assert bench_scale.rss_bound(runs, 490.0)["within_bound"] is False  # 1.11x
+    assert bench_scale.rss_bound(runs, 300.0)["within_bound"] is True  # freed: fine
+
+
+def test_batched_inputs_follow_the_analytic_api() -> None:
+    """None while starsd.analytic has no S(B); with it, the hub's limit and curve are set."""
+    inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.008, 0.001, 0.008)
+    built = bench_scale.batched_inputs(inputs, 64, [(8, 0.01), (1, 0.005)])
+    if not hasattr(analytic, "ServiceCurve"):
+        assert built is None
+        return
+    assert built is not None
+    assert built.max_batch == 64  # type: ignore[attr-defined]
+    assert built.curve.at(1) == pytest.approx(0.005)  # type: ignore[attr-defined]
+    assert bench_scale.batched_inputs(inputs, 64, []) is None
+
+
+def test_service_rows_and_ratio_checks() -> None:
+    """Catches: S(B)/S(1) against the mean rather than the median, a per-job time not divided
+    by B, and a check that passes at the limit's wrong side."""
+    times = {1: [0.010, 0.011, 0.030], 8: [0.016, 0.014, 0.015], 32: [0.026, 0.025, 0.024]}
+    rows = bench_service.curve_rows(times)
+    assert [r["batch"] for r in rows] == [1, 8, 32]
+    assert rows[1]["median_ms"] == pytest.approx(15.0)
+    assert rows[1]["ratio_to_1"] == pytest.approx(15 / 11)
+    assert rows[2]["per_job_ms"] == pytest.approx(25.0 / 32)
+    checks = bench_service.ratio_checks(rows)
+    assert checks["s8_over_s1_ok"] is True  # 1.36 <= 1.5
+    assert checks["s32_over_s1"] == pytest.approx(25 / 11) and checks["s32_over_s1_ok"] is True
+    over = bench_service.ratio_checks([{"batch": 1, "ratio_to_1": 1.0},
+                                       {"batch": 8, "ratio_to_1": 1.6}])  # fmt: skip
+    assert over["s8_over_s1_ok"] is False and over["s32_over_s1"] is None
+
+
+def test_kv_memory_theory(tmp_path: Path) -> None:
+    """2 layers x (K, V) x 4 heads x 32 dims x 4 B = 2 KiB per token: 100 MiB for 100 sessions
+    of 512 tokens (the default draft's shape)."""
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "hidden_size": 128, "head_dim": 32}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert bench_service.kv_mb_per_sessions(str(tmp_path), 100, 512) == pytest.approx(100.0)
+    gpt2 = {"n_layer": 2, "n_head": 4, "n_embd": 128}
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    assert bench_service.kv_mb_per_sessions(str(tmp_path), 100, 512) == pytest.approx(100.0)
+
+
+def test_fake_sessions_drive_the_hub_proposer(llama_pair: tuple[Path, Path]) -> None:
+    """Sessions advance with the verdicts a target sends: 2 accepted and 1 appended a round."""
+    proposer, vocab = bench_service.load("llm", str(llama_pair[1]), str(llama_pair[0]))
+    fake = bench_service.FakeSessions(proposer, vocab, gamma=4)
+    times = bench_service.time_sizes(fake, (1, 2), repeats=2)
+    assert {b: len(t) for b, t in times.items()} == {1: 2, 2: 2}
+    held = fake.open(1, 8)
+    assert len(held[0].state.tokens) == 8 and len(held[0].proposed) == 4
+    fake.propose(held)
+    assert len(held[0].state.tokens) == 8 + 2 + 1
+
+
+def test_main_suite_pairs_batched_with_one_at_a_time() -> None:
+    """Catches: the pair's order never alternating, the one-at-a-time run not at max-batch 1,
+    and a target's time with concurrency 2 counted as if its sequences ran one after another."""
+    cfg = bench.parse_args(["--quick"])
+    plan = bench.batched_plan(cfg)
+    assert [(r.mode, r.n, r.max_batch, r.concurrency) for r in plan] == [
+        ("one-for-many-batched", 2, 64, 2), ("one-for-many-one-at-a-time", 2, 1, 2),
+        ("one-for-many-one-at-a-time", 4, 1, 2), ("one-for-many-batched", 4, 64, 2)]
+    rows = [{"token_ids": [0] * 30, "stats": {"tokens_per_s": 10.0}}] * 2
+    assert bench.decode_seconds(rows, 2) == pytest.approx(3.0)
+    runs = [{"mode": "one-for-many-batched", "n_targets": 2, "system_tokens_per_s": 300.0},
+            {"mode": "one-for-many-one-at-a-time", "n_targets": 2, "system_tokens_per_s": 200.0},
+            {"mode": "one-for-many", "n_targets": 2, "system_tokens_per_s": 1.0}]  # fmt: skip
+    assert bench.batched_comparison(runs) == {
+        "2": {"batched": 300.0, "one_at_a_time": 200.0, "ratio": 1.5}}
+
+
+def test_quick_scale_sweep_stops_at_128() -> None:
+    assert bench.parse_args(["--suite", "scale", "--quick"]).scale_ns[-1] == 128
+    assert bench.parse_args(["--suite", "scale"]).scale_ns[-1] == 256
+    assert bench.parse_args(["--quick", "--scale-ns", "1", "256"]).scale_ns == (1, 256)
