@@ -74,7 +74,8 @@ def test_a_ragged_forward_equals_each_sequence_alone(
                                  first.key_mask(c), buffers)  # fmt: skip
             cache = first.scatter(buffers, 0, 0)
         caches.append(cache)
-    batch = RaggedBatch(tuple(split), tuple(len(s) - c for s, c in zip(seqs, split)), 1)
+    fed = tuple(len(s) - c for s, c in zip(seqs, split, strict=True))
+    batch = RaggedBatch(tuple(split), fed, 1)
     buffers = batch.gather(caches, shapes, torch.float32, draft.device)
     width = batch.cached_width + batch.fed_width
     feeds = [s[c:] for s, c in zip(seqs, split, strict=True)]
