@@ -1,44 +1,136 @@
-"""The analytic model of one draft hub serving N targets.
+"""The analytic model of one draft hub serving N targets, with batched drafting.
 
     python -m starsd.analytic --alpha 0.7 --gamma 4 --draft-ms 3.2 --verify-ms 4.5 \
         --link-ms 0.3 --target-step-ms 3.5 --n 1 2 4 8 16 [--plot curves.png]
+    python -m starsd.analytic --max-batch 64 --curve 1:4.3,8:4.7,32:6.5 --n 64 256 1024
     python -m starsd.analytic --from results/bench.json [--plot curves.png]
 
 Terms (times per round of one target):
   E[L]   expected tokens a round commits: (1 - alpha^(gamma+1)) / (1 - alpha) for i.i.d.
          acceptance with rate alpha (gamma + 1 when alpha = 1);
-  S(d)   the hub's draft service time for one proposal of gamma tokens;
+  S(B)   the hub's service time for one batch of B proposals of gamma tokens each (one batched
+         forward, delivery included); S(1) is the one-at-a-time S(d);
+  M      the hub's largest batch (--max-batch);
   R      what happens outside the hub: the target's verify forward plus the link round trip;
   T_ar   the target's own autoregressive step (the standalone baseline: 1 / T_ar tokens/s).
 
-With N targets and a hub that drafts one proposal at a time, the hub's iteration (one proposal
-for every target) takes T_gamma = N * S(d) + T_idle, where T_idle = max(0, S(d) + R - N * S(d))
-is the time the hub waits for verdicts. Under-loaded (T_idle > 0): every target gets a round
-every S(d) + R, so system throughput grows linearly with N. Fully loaded (T_idle = 0, from
-N_full = ceil((S(d) + R) / S(d)) on): the hub is the bottleneck, system throughput stays at
-E[L] / S(d) and more targets only queue. Per-target throughput E[L] / T_gamma falls below the
-standalone 1 / T_ar once N > E[L] * T_ar / S(d).
+N targets, one sequence each. Every round the hub must draft one job per target; with batches of
+at most M those N jobs form k = ceil(N / M) batches, as equal as possible (largest first:
+B_1 = ceil(N / k)). The hub's iteration takes T_gamma = T_busy + T_idle, where
+T_busy = sum_j S(B_j) and T_idle = max(0, S(B_1) + R - T_busy): a target's own cycle is at least
+its batch's service plus R, and the hub waits for verdicts when the other batches are done sooner.
+
+  system tok/s = N * E[L] / T_gamma, per-target tok/s = E[L] / T_gamma, hub busy = T_busy / T_gamma.
+
+Under-loaded (T_idle > 0): every target gets a round every S(B_1) + R. Up to N = M that is one
+batch, T_gamma = S(N) + R, and system throughput grows almost linearly with N while S(N) stays
+near S(1). Fully loaded (T_idle = 0, from N_full on, the smallest N with T_idle = 0): the hub
+drafts all the time; with full batches system throughput is M * E[L] / S(M), i.e.
+M * S(1) / S(M) times the one-at-a-time ceiling E[L] / S(1), and more targets only queue. With a
+flat curve S(B) = s the boundary is N_full = M * ceil(R / s) + 1: batching moves N_full out by
+about a factor M. Per-target throughput falls below the standalone 1 / T_ar once
+T_gamma > E[L] * T_ar (break-even N).
+
+M = 1 is the one-at-a-time hub: k = N, T_busy = N * S(1), T_idle = max(0, S(1) + R - N * S(1)),
+N_full = ceil((S(1) + R) / S(1)) and the fully loaded ceiling is E[L] / S(1).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import dataclasses
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+MAX_TARGETS = 100_000  # how far saturation_point and break_even_targets search in N
+
+
+@dataclass(frozen=True)
+class ServiceCurve:
+    """S(B): the hub's service time (seconds) per batch size, from measured points.
+
+    ``points`` are (batch size, S seconds) pairs, kept sorted by size (the constructor sorts
+    them); sizes are distinct and >= 1, times positive. Between two measured sizes S is linear;
+    below the smallest it is the smallest's value; above the largest it goes on along the last
+    two points' line, never below the last value (a batched forward never gets cheaper).
+    """
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        points = tuple(sorted((int(b), float(s)) for b, s in self.points))
+        if not points:
+            raise ValueError("a service curve needs at least one point")
+        sizes = [b for b, _ in points]
+        if sizes[0] < 1 or len(set(sizes)) != len(sizes):
+            raise ValueError(f"batch sizes must be distinct and >= 1, got {sizes}")
+        if not all(math.isfinite(s) and s > 0 for _, s in points):
+            raise ValueError(f"service times must be positive, got {points}")
+        object.__setattr__(self, "points", points)  # normalised: sorted tuples (hashable)
+
+    def at(self, batch: int) -> float:
+        """S(batch) in seconds."""
+        points = self.points
+        i = bisect.bisect_left(points, (batch,))  # the first point with size >= batch
+        if i == 0:
+            return points[0][1]
+        if i < len(points):
+            return _line(points[i - 1], points[i], batch)
+        if len(points) == 1:
+            return points[0][1]
+        return max(points[-1][1], _line(points[-2], points[-1], batch))
+
+    @classmethod
+    def parse(cls, text: str) -> ServiceCurve:
+        """From ``"B:ms,B:ms,..."``, e.g. ``"1:4.3,8:4.7,32:6.5"`` (milliseconds)."""
+        try:
+            pairs = [item.split(":") for item in text.replace(" ", "").split(",") if item]
+            return cls(tuple((int(b), float(ms) / 1e3) for b, ms in pairs))
+        except ValueError as exc:  # (a pair without ':' fails to unpack: ValueError too)
+            raise ValueError(f"bad service curve {text!r} (want B:ms,B:ms,...): {exc}") from None
+
+    @classmethod
+    def from_totals(cls, totals: Iterable[tuple[int, int, float]]) -> ServiceCurve:
+        """From (batch size, batches, summed seconds) rows, as ``HubStats.service_totals()``
+        and ``protocol.Stats.service_totals()`` give them; sizes never drafted are skipped."""
+        return cls(tuple((int(b), s / n) for b, n, s in totals if n > 0))
+
+
+def _line(a: tuple[int, float], b: tuple[int, float], batch: int) -> float:
+    """The line through points ``a`` and ``b``, at ``batch``."""
+    (b0, s0), (b1, s1) = a, b
+    return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
 
 
 @dataclass(frozen=True)
 class ModelInputs:
-    """Measured (or assumed) inputs of the model; times in seconds."""
+    """Measured (or assumed) inputs of the model; times in seconds.
+
+    ``curve`` None is the one-at-a-time hub: S(1) = ``draft_s`` and no batching, so
+    ``max_batch`` must then be 1 (assuming S(B) = S(1) for every B would make batching free).
+    With a curve, S(B) = ``curve.at(B)`` for every B, S(1) included; ``draft_s`` stays the
+    one-at-a-time figure it was measured as.
+    """
 
     alpha: float  # per-token acceptance rate
     gamma: int
-    draft_s: float  # S(d): hub time to draft one proposal
+    draft_s: float  # S(d) = S(1): hub time to draft one proposal alone
     verify_s: float  # target verify forward of gamma + 1 positions
     link_s: float  # network round trip + (de)serialisation per round
     target_step_s: float  # T_ar: the target's standalone decode step
+    max_batch: int = 1  # M: the most jobs the hub drafts in one batch
+    curve: ServiceCurve | None = None  # S(B); None: one-at-a-time
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_batch > 1 and self.curve is None:
+            raise ValueError("max_batch > 1 needs a service curve S(B)")
 
 
 @dataclass(frozen=True)
@@ -52,6 +144,8 @@ class Prediction:
     system_tokens_per_s: float
     per_target_tokens_per_s: float
     hub_busy_fraction: float
+    batches: int = 1  # k
+    largest_batch: int = 1  # B_1
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -78,16 +172,41 @@ def round_trip_outside_hub(inputs: ModelInputs) -> float:
     return inputs.verify_s + inputs.link_s
 
 
-def saturation_point(inputs: ModelInputs) -> int:
-    """N_full: the fewest targets that keep the hub drafting all the time."""
-    return max(1, math.ceil((inputs.draft_s + round_trip_outside_hub(inputs)) / inputs.draft_s))
+def service_s(inputs: ModelInputs, batch: int) -> float:
+    """S(batch): the curve's value, or ``draft_s`` for the one-at-a-time hub."""
+    return inputs.curve.at(batch) if inputs.curve is not None else inputs.draft_s
+
+
+def batch_sizes(n_targets: int, max_batch: int) -> tuple[int, ...]:
+    """The sizes of the k = ceil(N / M) batches of one iteration, as equal as possible,
+    largest first."""
+    k = -(-n_targets // max_batch)
+    q, r = divmod(n_targets, k)
+    return (q + 1,) * r + (q,) * (k - r)
+
+
+def _busy(inputs: ModelInputs, n_targets: int) -> tuple[float, int, int]:
+    """(T_busy, k, B_1) for ``n_targets``: at most two distinct sizes, so two S lookups."""
+    k = -(-n_targets // inputs.max_batch)
+    q, r = divmod(n_targets, k)
+    busy = (k - r) * service_s(inputs, q)  # M = 1: N * S(1), as the one-at-a-time formula
+    if r:
+        busy += r * service_s(inputs, q + 1)
+    return busy, k, q + 1 if r else q
+
+
+def _idle(inputs: ModelInputs, n_targets: int) -> tuple[float, float, int, int]:
+    """(T_idle, T_busy, k, B_1) for ``n_targets``."""
+    if n_targets < 1:
+        raise ValueError(f"n_targets must be >= 1, got {n_targets}")
+    busy, k, first = _busy(inputs, n_targets)
+    cycle = service_s(inputs, first) + round_trip_outside_hub(inputs)  # S(B_1) + R
+    return max(0.0, cycle - busy), busy, k, first
 
 
 def predict(inputs: ModelInputs, n_targets: int) -> Prediction:
     """Throughput and regime for ``n_targets`` targets."""
-    cycle = inputs.draft_s + round_trip_outside_hub(inputs)  # one target alone: S + R
-    busy = n_targets * inputs.draft_s
-    idle = max(0.0, cycle - busy)
+    idle, busy, k, first = _idle(inputs, n_targets)
     iteration = busy + idle  # T_gamma
     tokens = expected_tokens_per_round(inputs.alpha, inputs.gamma)
     return Prediction(
@@ -98,17 +217,82 @@ def predict(inputs: ModelInputs, n_targets: int) -> Prediction:
         system_tokens_per_s=n_targets * tokens / iteration,
         per_target_tokens_per_s=tokens / iteration,
         hub_busy_fraction=busy / iteration,
+        batches=k,
+        largest_batch=first,
     )
 
 
+def saturation_point(inputs: ModelInputs) -> int:
+    """N_full: the fewest targets that keep the hub drafting all the time (T_idle = 0).
+
+    A scan, not a formula: a measured S(B) need not be smooth. Raises ValueError when the hub
+    still idles at MAX_TARGETS.
+    """
+    for n in range(1, MAX_TARGETS + 1):
+        if _idle(inputs, n)[0] == 0.0:
+            return n
+    raise ValueError(f"the hub still idles at N = {MAX_TARGETS} targets")
+
+
 def break_even_targets(inputs: ModelInputs) -> int:
-    """Largest N at which each target is still at least as fast as standalone."""
-    tokens = expected_tokens_per_round(inputs.alpha, inputs.gamma)
-    by_hub = math.floor(tokens * inputs.target_step_s / inputs.draft_s)
-    alone_faster = tokens / (inputs.draft_s + round_trip_outside_hub(inputs))
-    if alone_faster < 1.0 / inputs.target_step_s:
-        return 0  # even one target is slower than standalone
-    return max(by_hub, 1)
+    """Largest N up to which each target is at least as fast as standalone (0: not even one;
+    capped at MAX_TARGETS): every N' <= N has T_gamma <= E[L] * T_ar."""
+    budget = expected_tokens_per_round(inputs.alpha, inputs.gamma) * inputs.target_step_s
+    for n in range(1, MAX_TARGETS + 1):
+        idle, busy, _, _ = _idle(inputs, n)
+        if busy + idle > budget:
+            return n - 1
+    return MAX_TARGETS
+
+
+# ---------------------------------------------------------------------------------- JSON
+
+
+def inputs_as_json(inputs: ModelInputs) -> dict[str, Any]:
+    """The ``model_inputs`` object of a benchmark JSON: the fields, with the curve as
+    ``service_curve``, a list of [B, seconds] (absent for the one-at-a-time hub)."""
+    raw = dataclasses.asdict(inputs)
+    curve = raw.pop("curve")
+    if curve is not None:
+        raw["service_curve"] = [list(point) for point in curve["points"]]
+    return raw
+
+
+def inputs_from_json(raw: dict[str, Any]) -> ModelInputs:
+    """Inverse of :func:`inputs_as_json`; also reads JSON from before the curve (no
+    ``max_batch``, no curve) and ``dataclasses.asdict`` output (``curve: {points: ...}``)."""
+    raw = dict(raw)
+    points = raw.pop("service_curve", None)
+    legacy = raw.pop("curve", None)
+    if points is None and legacy is not None:
+        points = legacy["points"]
+    return ModelInputs(**raw, curve=ServiceCurve(tuple(points)) if points else None)
+
+
+def inputs_from_bench(path: str | Path) -> ModelInputs:
+    """Model inputs recorded by scripts/bench.py (its ``model_inputs`` object)."""
+    return inputs_from_json(json.loads(Path(path).read_text())["model_inputs"])
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def curve_sizes(inputs: ModelInputs) -> list[int]:
+    """The batch sizes worth showing: 1, the measured ones up to M, and M."""
+    measured = [b for b, _ in inputs.curve.points] if inputs.curve is not None else []
+    return sorted({1, inputs.max_batch, *(b for b in measured if b <= inputs.max_batch)})
+
+
+def curve_table(inputs: ModelInputs) -> str:
+    """S(B) as a markdown table: B, S(B) ms, S(B) / S(1), proposals/s = B / S(B)."""
+    one = service_s(inputs, 1)
+    source = "measured curve" if inputs.curve is not None else "one at a time"
+    lines = [f"S(B), max batch M = {inputs.max_batch} ({source}):", "",
+             "| B | S(B) ms | S(B)/S(1) | proposals/s |", "|---|---|---|---|"]  # fmt: skip
+    for b in curve_sizes(inputs):
+        s = service_s(inputs, b)
+        lines.append(f"| {b} | {1e3 * s:.2f} | {s / one:.2f} | {b / s:.0f} |")
+    return "\n".join(lines)
 
 
 def table(inputs: ModelInputs, ns: list[int]) -> str:
@@ -119,43 +303,57 @@ def table(inputs: ModelInputs, ns: list[int]) -> str:
         f"N_full = {saturation_point(inputs)}, break-even N = {break_even_targets(inputs)}, "
         f"standalone = {standalone:.1f} tok/s per target",
         "",
-        "| N | regime | T_gamma ms | T_idle ms | system tok/s | per-target tok/s | hub busy |",
-        "|---|---|---|---|---|---|---|",
+        "| N | regime | T_gamma ms | T_idle ms | system tok/s | per-target tok/s | hub busy "
+        "| k x B_1 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n in ns:
         p = predict(inputs, n)
         lines.append(
             f"| {n} | {p.regime} | {1e3 * p.iteration_s:.2f} | {1e3 * p.idle_s:.2f} | "
             f"{p.system_tokens_per_s:.1f} | {p.per_target_tokens_per_s:.1f} | "
-            f"{p.hub_busy_fraction:.2f} |"
+            f"{p.hub_busy_fraction:.2f} | {p.batches} x {p.largest_batch} |"
         )
     return "\n".join(lines)
 
 
 def plot(inputs: ModelInputs, ns: list[int], path: str) -> None:
-    """System and per-target throughput curves against N (needs matplotlib)."""
+    """Throughput against N, and S(B) against B, side by side (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    _plot_throughput(left, inputs, ns)
+    _plot_curve(right, inputs)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_throughput(ax: Any, inputs: ModelInputs, ns: Sequence[int]) -> None:
     grid = list(range(1, max(ns) + 1))
     preds = [predict(inputs, n) for n in grid]
-    fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(grid, [p.system_tokens_per_s for p in preds], label="system (predicted)")
     ax.plot(grid, [p.per_target_tokens_per_s for p in preds], label="per target (predicted)")
     ax.axhline(1.0 / inputs.target_step_s, ls=":", c="grey", label="standalone per target")
     ax.axvline(saturation_point(inputs), ls="--", c="red", label="N_full")
     ax.set(xlabel="targets N", ylabel="tokens/s", xscale="log", title="StarSD analytic model")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
-def inputs_from_bench(path: str | Path) -> ModelInputs:
-    """Model inputs recorded by scripts/bench.py (its ``model_inputs`` object)."""
-    raw = json.loads(Path(path).read_text())["model_inputs"]
-    return ModelInputs(**raw)
+def _plot_curve(ax: Any, inputs: ModelInputs) -> None:
+    grid = list(range(1, inputs.max_batch + 1))
+    ax.plot(grid, [1e3 * service_s(inputs, b) for b in grid], label="S(B) (model)")
+    if inputs.curve is not None:
+        sizes, times = zip(*inputs.curve.points, strict=True)
+        ax.plot(sizes, [1e3 * s for s in times], "o", label="measured")
+    ax.set(xlabel="batch size B", ylabel="ms per batch", title=f"S(B), M = {inputs.max_batch}")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+
+
+# ---------------------------------------------------------------------------------- CLI
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelInputs, list[int], str | None]:
@@ -165,24 +363,45 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelInputs, list[int], s
     p.add_argument("--from", dest="source", help="a benchmark JSON with model_inputs")
     p.add_argument("--alpha", type=float, default=0.7)
     p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--draft-ms", type=float, default=3.0, help="S(d) per proposal")
+    p.add_argument("--draft-ms", type=float, default=3.0, help="S(d) = S(1) per proposal")
     p.add_argument("--verify-ms", type=float, default=5.0)
     p.add_argument("--link-ms", type=float, default=0.3)
     p.add_argument("--target-step-ms", type=float, default=4.0)
+    p.add_argument("--max-batch", type=int, help="M (default: the curve's largest B, else 1)")
+    p.add_argument("--curve", help="S(B) as B:ms pairs, e.g. 1:4.3,8:4.7,32:6.5")
     p.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--plot", help="write the curves to this PNG")
     a = p.parse_args(argv)
-    if a.source:
-        inputs = inputs_from_bench(a.source)
-    else:
-        inputs = ModelInputs(a.alpha, a.gamma, a.draft_ms / 1e3, a.verify_ms / 1e3,
-                             a.link_ms / 1e3, a.target_step_ms / 1e3)  # fmt: skip
+    try:
+        inputs = _with_batching(_base_inputs(a), a.curve, a.max_batch)
+    except ValueError as exc:
+        p.error(str(exc))
     return inputs, a.n, a.plot
+
+
+def _base_inputs(a: argparse.Namespace) -> ModelInputs:
+    if a.source:
+        return inputs_from_bench(a.source)
+    return ModelInputs(a.alpha, a.gamma, a.draft_ms / 1e3, a.verify_ms / 1e3, a.link_ms / 1e3,
+                       a.target_step_ms / 1e3)  # fmt: skip
+
+
+def _with_batching(inputs: ModelInputs, curve: str | None, max_batch: int | None) -> ModelInputs:
+    """``--curve`` and ``--max-batch`` over the base inputs (flags, or a benchmark's)."""
+    if curve is not None:
+        parsed = ServiceCurve.parse(curve)
+        batch = max_batch if max_batch is not None else parsed.points[-1][0]
+        return dataclasses.replace(inputs, draft_s=parsed.at(1), max_batch=batch, curve=parsed)
+    if max_batch is not None:
+        return dataclasses.replace(inputs, max_batch=max_batch)
+    return inputs
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m starsd.analytic``."""
     inputs, ns, plot_path = parse_args(argv)
+    print(curve_table(inputs))
+    print()
     print(table(inputs, ns))
     if plot_path:
         plot(inputs, ns, plot_path)

@@ -47,6 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from starsd.batch import LayerBuffer
 from starsd.models import DTYPES  # one dtype table for every model we load
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -186,11 +187,11 @@ class RMSNorm(nn.Module):
 def rotary(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [n, head_dim] for ``positions`` [n] (HF Llama's default rotary embedding)."""
+    """cos, sin [..., n, head_dim] for ``positions`` [..., n] (HF Llama's default rotary)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
     inv_freq = 1.0 / (theta ** (exponents / head_dim))  # [d/2]
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [n, d]
+    freqs = positions.float()[..., None] * inv_freq  # [..., n, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., n, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -217,15 +218,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv * dim, bias=False)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
 
-    def qkv(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q [B, h, n, d] and k, v [B, kv, n, d] of ``x`` [B, n, H] at ``start..``."""
+    def qkv(
+        self, x: torch.Tensor, start: int | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q [B, h, n, d] and k, v [B, kv, n, d] of ``x`` [B, n, H] at positions
+        ``start..`` (or at ``start`` itself, per-row positions [B, n])."""
         c = self.config
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        positions = torch.arange(start, start + n, device=x.device)
-        cos, sin = rotary(positions, c.head_dim, c.rope_theta, x.dtype)  # [n, d]
+        if isinstance(start, int):
+            positions = torch.arange(start, start + n, device=x.device)  # [n]
+        else:
+            positions = start.to(x.device)[:, None, :]  # [B, 1, n]: one row per sequence
+        cos, sin = rotary(positions, c.head_dim, c.rope_theta, x.dtype)  # [(B, 1,) n, d]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def attend(
@@ -256,6 +263,20 @@ class Attention(nn.Module):
         return self.attend(q, k, v, keys[None, :] <= positions[:, None])  # mask [n, T]
 
 
+    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+                         buffer: LayerBuffer) -> torch.Tensor:  # fmt: skip
+        """Attend a ragged batch ``x`` [B, n, H] at ``positions`` [B, n] over ``buffer``, whose
+        columns are real keys where ``key_mask`` [B, T] is 1 (see :mod:`starsd.batch`)."""
+        n = x.shape[1]
+        q, k, v = self.qkv(x, positions)
+        first = buffer.filled
+        keys, values = buffer.append(k, v)  # [B, kv, T, d]
+        columns = torch.arange(keys.shape[2], device=x.device)
+        causal = columns[None, :] <= first + torch.arange(n, device=x.device)[:, None]  # [n, T]
+        allowed = causal[None, None] & key_mask.to(x.device).bool()[:, None, None, :]
+        return self.attend(q, keys, values, allowed)  # mask [B, 1, n, T]
+
+
 class MLP(nn.Module):
     """Llama's SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
 
@@ -282,6 +303,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, start: int, cache: EagleCache | None) -> torch.Tensor:
         """x [B, n, H] -> [B, n, H]."""
         return self.feed_forward(x + self.self_attn(x, start, cache))
+
+    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+                         buffer: LayerBuffer) -> torch.Tensor:  # fmt: skip
+        """The layer over a ragged batch (see :meth:`Attention.forward_buffered`)."""
+        attended = self.self_attn.forward_buffered(x, positions, key_mask, buffer)
+        return self.feed_forward(x + attended)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP half of the layer with its residual: x + mlp(norm(x))."""
@@ -325,6 +352,16 @@ class EagleHead(nn.Module):
         hidden = self.fc(torch.cat((inputs, feats), dim=-1))  # [B, n, H]
         out = self.layers[0](hidden, start, cache)  # [B, n, H]
         return out[0] if single else out
+
+    def forward_buffered(self, token_ids: torch.Tensor, features: torch.Tensor,
+                         positions: torch.Tensor, key_mask: torch.Tensor,
+                         buffer: LayerBuffer, embed: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Predicted next features [B, n, H] of a ragged batch of pairs ``token_ids`` [B, n],
+        ``features`` [B, n, H] at ``positions`` [B, n], appended to ``buffer`` in place."""
+        inputs = embed[token_ids].to(features.dtype)  # [B, n, H]
+        hidden = self.fc(torch.cat((inputs, features), dim=-1))  # [B, n, H]
+        layer: DecoderLayer = self.layers[0]  # type: ignore[assignment]
+        return layer.forward_buffered(hidden, positions, key_mask, buffer)
 
     def unrolled(
         self, token_ids: torch.Tensor, features: torch.Tensor, embed: torch.Tensor, depth: int
@@ -455,6 +492,21 @@ class LoadedEagle:
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
         feats = features.to(device=self.device, dtype=self.dtype)  # [n, H]
         return self.head(ids, feats, cache, self.target.embed)
+
+    @torch.inference_mode()
+    def forward_batch(self, token_ids: torch.Tensor, features: torch.Tensor,
+                      positions: torch.Tensor, key_mask: torch.Tensor,
+                      buffer: LayerBuffer) -> torch.Tensor:  # fmt: skip
+        """Predicted features [B, n, H] of a ragged batch (see :mod:`starsd.batch`)."""
+        ids = token_ids.to(device=self.device, dtype=torch.long)  # [B, n]
+        feats = features.to(device=self.device, dtype=self.dtype)  # [B, n, H]
+        return self.head.forward_buffered(ids, feats, positions, key_mask, buffer,
+                                          self.target.embed)  # fmt: skip
+
+    @property
+    def kv_shapes(self) -> list[tuple[int, int]]:
+        """(kv heads, head dim) of the head's one layer, as :mod:`starsd.batch` wants them."""
+        return [(self.config.num_key_value_heads, self.config.head_dim)]
 
     @torch.inference_mode()
     def logits(self, features: torch.Tensor) -> torch.Tensor:

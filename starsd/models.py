@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from starsd.batch import LayerBuffer
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -127,6 +129,66 @@ def forward_with_features(
 def _run(loaded: LoadedModel, token_ids: list[int], cache: Any, hidden: bool) -> Any:
     ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, n]
     return loaded.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
+
+
+def kv_shapes(loaded: LoadedModel) -> list[tuple[int, int]]:
+    """(kv heads, head dim) of each layer's cache, read from a one-token probe forward (robust
+    to how each architecture names its shapes)."""
+    cache = new_cache(loaded)
+    _run(loaded, [0], cache, hidden=False)
+    return [(int(layer.keys.shape[1]), int(layer.keys.shape[3])) for layer in cache.layers]
+
+
+def forward_batch(
+    loaded: LoadedModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    key_mask: torch.Tensor,
+    buffers: list[LayerBuffer],
+    hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward of a ragged batch (see :mod:`starsd.batch`) over preallocated cache buffers.
+
+    Args:
+        input_ids: [B, n] long; positions: [B, n] position ids; key_mask: [B, T] with
+            T = filled columns + n (1: a real key); buffers: one per layer, appended in place.
+        hidden: also return the features EAGLE drafts from (see :func:`forward_with_features`).
+
+    Returns:
+        logits [B, n, V] float32 on CPU, and features [B, n, H] when ``hidden``.
+    """
+    cache = _buffer_cache(buffers)
+    with torch.inference_mode():
+        out = loaded.model(input_ids=input_ids.to(loaded.device), cache=cache, use_cache=True,
+                           attention_mask=key_mask.to(loaded.device),
+                           position_ids=positions.to(loaded.device),
+                           output_hidden_states=hidden)  # fmt: skip
+    features = out.hidden_states[-1].float().cpu() if hidden else None
+    return out.logits.float().cpu(), features
+
+
+def _buffer_cache(buffers: list[LayerBuffer]) -> Any:
+    """A transformers cache whose layers append into ``buffers`` in place (no cat per step)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class BufferedLayer(DynamicLayer):
+        def __init__(self, buffer: LayerBuffer) -> None:
+            super().__init__()
+            self.buffer = buffer
+            self.keys = buffer.keys[:, :, : buffer.filled]
+            self.values = buffer.values[:, :, : buffer.filled]
+            self.is_initialized = True
+            self.device = buffer.keys.device
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            self.keys, self.values = self.buffer.append(key_states, value_states)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.buffer.filled
+
+    return Cache(layers=[BufferedLayer(b) for b in buffers])
 
 
 def hidden_size(loaded: LoadedModel) -> int:

@@ -6,6 +6,8 @@ msgpack map (the body). Arrays never go inside msgpack: each travels as its own 
 frame order. Decoding is hardened: frame sizes, msgpack container limits, a schema per message
 type, allowed dtypes, and ``len(frame) == prod(shape) * itemsize`` are all checked before any
 array is built, and every array view is read-only and zero-copy over the received buffer.
+Arrays that only mean something together (a group, such as STATS' service curve) must arrive all
+or none, with equal first dimensions.
 
 The message dataclasses are the schema, its one source: a field's annotation says which types
 its value may have on the wire, a default makes it optional, and an array field carries its
@@ -42,6 +44,7 @@ MAX_ARRAY_ELEMENTS = MAX_FRAME_BYTES
 ALLOWED_DTYPES = frozenset({"int32", "int64", "float16", "float32"})
 _IDS = frozenset({"int32", "int64"})
 _FLOATS = frozenset({"float16", "float32"})
+_INT32, _INT64, _FLOAT32 = frozenset({"int32"}), frozenset({"int64"}), frozenset({"float32"})
 _MAX_STR, _MAX_BIN, _MAX_ARRAY, _MAX_MAP = 4096, 1024, 64, 32
 
 
@@ -150,14 +153,19 @@ def _refuse(name: str, value: object, valid: str) -> NoReturn:
 class _ArraySpec:
     dtypes: frozenset[str]
     rank: int
+    group: str = ""  # arrays of one group come all or none, with equal first dimensions
 
 
-def _array(dtypes: frozenset[str], rank: int) -> dict[str, _ArraySpec]:
+def _array(dtypes: frozenset[str], rank: int, group: str = "") -> dict[str, _ArraySpec]:
     """Field metadata marking a numpy array that travels as its own raw frame, of one of
-    ``dtypes`` and with ``rank`` dimensions (a default of None makes it optional)."""
+    ``dtypes`` and with ``rank`` dimensions (a default of None makes it optional). Arrays that
+    share a ``group`` are columns of one table: decode refuses a message with only some of them,
+    or with first dimensions that differ."""
     if not dtypes <= ALLOWED_DTYPES:  # decode builds arrays only from the dtypes it knows
         raise ValueError(f"dtypes {sorted(dtypes - ALLOWED_DTYPES)} are not allowed")
-    return {"array": _ArraySpec(dtypes, rank)}
+    if group and rank < 1:  # a group's arrays are compared by their first dimension
+        raise ValueError("a grouped array needs a first dimension")
+    return {"array": _ArraySpec(dtypes, rank, group)}
 
 
 # ---------------------------------------------------------------------------------- messages
@@ -300,7 +308,13 @@ class StatsRequest:
 
 @dataclass(frozen=True)
 class Stats:
-    """Hub -> asker: hub-wide counters since start (times in seconds)."""
+    """Hub -> asker: hub-wide counters since start (times in seconds).
+
+    The service curve S(B), one row per batch size drafted so far (sorted): ``batch_sizes`` B,
+    ``batch_counts`` batches of that size, ``batch_busy_s`` their summed wall seconds (the mean
+    is busy / count). Totals rather than means so that two snapshots subtract. None from a hub
+    that predates the curve; all three or none, of equal length (decode checks).
+    """
 
     TYPE: ClassVar[int] = 12
     nonce: int
@@ -315,6 +329,40 @@ class Stats:
     accepted: int
     queue_wait_s: float
     epoch: bytes = b""
+    batch_sizes: np.ndarray | None = field(default=None, repr=False,
+                                           metadata=_array(_INT32, 1, "curve"))  # fmt: skip
+    batch_counts: np.ndarray | None = field(default=None, repr=False,
+                                            metadata=_array(_INT64, 1, "curve"))  # fmt: skip
+    # float32, not float64: the wire's dtypes (ALLOWED_DTYPES) have no float64. The hub sums in
+    # double and rounds once here, 24 bits of mantissa: a relative error under 1e-7 of a total,
+    # far below the run-to-run noise of S(B).
+    batch_busy_s: np.ndarray | None = field(default=None, repr=False,
+                                            metadata=_array(_FLOAT32, 1, "curve"))  # fmt: skip
+
+    def service_totals(self) -> list[tuple[int, int, float]]:
+        """The curve's rows: (batch size, batches, summed wall seconds); [] without a curve."""
+        if self.batch_sizes is None or self.batch_counts is None or self.batch_busy_s is None:
+            return []
+        columns = (self.batch_sizes.tolist(), self.batch_counts.tolist(),
+                   self.batch_busy_s.tolist())  # fmt: skip
+        return list(zip(*columns, strict=True))
+
+
+class CurveArrays(typing.TypedDict):
+    """Stats' three curve fields, by name (a TypedDict, so ``**`` them into Stats type-checks)."""
+
+    batch_sizes: np.ndarray
+    batch_counts: np.ndarray
+    batch_busy_s: np.ndarray
+
+
+def curve_arrays(totals: Sequence[tuple[int, int, float]]) -> CurveArrays:
+    """Stats' curve fields from (batch size, batches, summed seconds) rows, as
+    ``HubStats.service_totals()`` gives them: ``Stats(..., **curve_arrays(rows))``."""
+    sizes, counts, seconds = zip(*totals, strict=True) if totals else ((), (), ())
+    return CurveArrays(batch_sizes=np.array(sizes, np.int32),
+                       batch_counts=np.array(counts, np.int64),
+                       batch_busy_s=np.array(seconds, np.float32))  # fmt: skip
 
 
 Message: TypeAlias = (
@@ -365,6 +413,7 @@ class _Layout:
     defaulted: frozenset[str]  # what a message may leave out, body fields or arrays
     nested: tuple[str, ...]  # body fields holding SamplingParams (a map on the wire)
     arrays: dict[str, _ArraySpec]  # array fields, in frame order
+    groups: tuple[tuple[str, ...], ...]  # array fields that come all or none, equal lengths
 
 
 def _union(hint: Any) -> tuple[Any, ...]:
@@ -394,7 +443,16 @@ def _layout(cls: type) -> _Layout:
         defaulted=defaulted,
         nested=tuple(n for n in schema if SamplingParams in _union(hints[n])),
         arrays=arrays,
+        groups=_groups(arrays),
     )
+
+
+def _groups(arrays: dict[str, _ArraySpec]) -> tuple[tuple[str, ...], ...]:
+    members: dict[str, list[str]] = {}
+    for name, spec in arrays.items():
+        if spec.group:
+            members.setdefault(spec.group, []).append(name)
+    return tuple(tuple(names) for names in members.values())
 
 
 _LAYOUTS = {cls: _layout(cls) for cls in (*MESSAGE_TYPES.values(), SamplingParams)}
@@ -518,7 +576,20 @@ def _decode_arrays(
     missing = [n for n in layout.arrays if n not in out and n not in layout.defaulted]
     if missing:
         raise ProtocolError(ErrorCode.MALFORMED, f"{layout.name}: missing arrays {missing}")
+    for group in layout.groups:
+        _check_group(layout.name, group, out)
     return out
+
+
+def _check_group(where: str, group: tuple[str, ...], arrays: dict[str, np.ndarray]) -> None:
+    """Columns of one table: all or none, and as long as each other."""
+    present = [name for name in group if name in arrays]
+    if present and len(present) != len(group):
+        raise ProtocolError(ErrorCode.MALFORMED, f"{where}: arrays {list(group)} come together, "
+                            f"got only {present}")  # fmt: skip
+    lengths = {name: arrays[name].shape[0] for name in present}
+    if len(set(lengths.values())) > 1:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{where}: arrays of unequal lengths {lengths}")
 
 
 def _decode_array(layout: _Layout, desc: Any, frame: Any) -> tuple[str, np.ndarray]:

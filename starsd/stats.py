@@ -53,10 +53,11 @@ class TargetStats:
 
 @dataclass
 class HubStats:
-    """Hub-wide figures: drafting busy time against wall time since start.
+    """Hub-wide figures: drafting busy time against wall time since start, and S(B).
 
     Shared by the event loop and the drafting thread: every field is read and written under the
-    hub's lock.
+    hub's lock. ``by_size`` is the service curve's raw data: batch size -> (batches of that size,
+    their summed wall seconds); it holds at most one entry per size, 1 .. the hub's max batch.
     """
 
     started: float = field(default_factory=time.perf_counter)
@@ -71,6 +72,7 @@ class HubStats:
     sessions_dropped: int = 0  # freed because their proposal could not be delivered
     unauthenticated: int = 0  # messages refused for a key not (or no longer) allowed
     over_budget: int = 0  # messages dropped unread: their peer sent faster than its budget
+    by_size: dict[int, tuple[int, float]] = field(default_factory=dict)  # B -> (count, seconds)
 
     def record_batch(self, jobs: int, busy_s: float, busy_cpu_s: float) -> None:
         """A batch was drafted and delivered in ``busy_s`` wall (``busy_cpu_s`` CPU) seconds."""
@@ -79,6 +81,22 @@ class HubStats:
         self.busy_cpu_s += busy_cpu_s
         self.batches += 1
         self.jobs += jobs
+        count, seconds = self.by_size.get(jobs, (0, 0.0))
+        self.by_size[jobs] = (count + 1, seconds + busy_s)
+
+    def service_totals(self) -> list[tuple[int, int, float]]:
+        """(batch size, batches, summed wall seconds) per size drafted so far, by size: what
+        STATS carries (totals, so that a reader can subtract two snapshots)."""
+        return [(size, *self.by_size[size]) for size in sorted(self.by_size)]
+
+    def service_curve(self) -> list[tuple[int, int, float]]:
+        """The measured S(B): (batch size, batches, mean wall seconds per batch), by size."""
+        return [(size, count, seconds / count) for size, count, seconds in self.service_totals()]
+
+    @property
+    def mean_batch(self) -> float:
+        """Mean jobs per batch (0 before the first batch)."""
+        return self.jobs / self.batches if self.batches else 0.0
 
     def busy_now(self) -> float:
         """Busy seconds so far, counting the batch in progress up to now."""
@@ -92,13 +110,24 @@ class HubStats:
     def line(self, sessions: int, targets: int) -> str:
         return (
             f"hub: targets={targets} sessions={sessions} jobs={self.jobs} "
-            f"batches={self.batches} draft_busy={self.busy_fraction():.3f} "
+            f"batches={self.batches} mean_batch={self.mean_batch:.2f} "
+            f"S_ms={curve_summary(self.service_curve()) or '-'} "
+            f"draft_busy={self.busy_fraction():.3f} "
             f"draft_ms_per_job={1e3 * self.busy_s / max(self.jobs, 1):.2f} "
             f"cpu_ms_per_job={1e3 * self.busy_cpu_s / max(self.jobs, 1):.2f} "
             f"messages={self.messages} errors_sent={self.errors_sent} "
             f"expired={self.sessions_expired} dropped={self.sessions_dropped} "
             f"unauthenticated={self.unauthenticated} over_budget={self.over_budget}"
         )
+
+
+def curve_summary(curve: list[tuple[int, int, float]], points: int = 5) -> str:
+    """At most ``points`` rows of a service curve, spread from its smallest batch size to its
+    largest, as ``B:ms`` pairs: the format ``python -m starsd.analytic --curve`` reads."""
+    if len(curve) > points:  # evenly spaced picks, both ends included
+        step = (len(curve) - 1) / max(points - 1, 1)
+        curve = [curve[round(i * step)] for i in range(points)]
+    return ",".join(f"{size}:{1e3 * mean_s:.2f}" for size, _, mean_s in curve)
 
 
 def latency_summary(latencies_s: list[float]) -> dict[str, float]:

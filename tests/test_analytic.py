@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+from pathlib import Path
+
 import pytest
 
 from starsd import analytic
@@ -64,3 +69,144 @@ def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
                    "--target-step-ms", "4", "--n", "1", "8"])  # fmt: skip
     out = capsys.readouterr().out
     assert "N_full = 4" in out and "| 8 | fully-loaded | 16.00 |" in out
+
+
+# ------------------------------------------------------------------ batching: the curve S(B)
+
+
+def test_service_curve_interpolates_and_extrapolates() -> None:
+    """Catches S(B) read off the nearest point instead of the line between two, a curve that
+    drops to zero (or extrapolates downwards) outside its measured sizes, and extrapolation
+    from the first two points instead of the last two."""
+    curve = analytic.ServiceCurve(((8, 0.005), (32, 0.008), (4, 0.004)))  # sorted on the way in
+    assert curve.points == ((4, 0.004), (8, 0.005), (32, 0.008))
+    cases = {1: 0.004, 4: 0.004, 6: 0.0045, 8: 0.005, 20: 0.0065, 32: 0.008, 64: 0.012}
+    for batch, seconds in cases.items():
+        assert curve.at(batch) == pytest.approx(seconds), batch
+    falling = analytic.ServiceCurve(((1, 0.005), (8, 0.004)))  # noise: B = 8 measured cheaper
+    assert falling.at(64) == pytest.approx(0.004)  # never below the last measured value
+    assert analytic.ServiceCurve(((1, 0.003),)).at(64) == 0.003  # one point: flat
+
+
+def test_service_curve_parse_totals_and_validation() -> None:
+    """Catches --curve read as seconds instead of ms, totals not divided by their counts, and
+    curves the model cannot use (no point, duplicated or zero sizes, non-positive times)."""
+    assert analytic.ServiceCurve.parse("1:4.3, 8:4.7").points == ((1, 0.0043), (8, 0.0047))
+    totals = [(1, 4, 0.02), (8, 0, 0.0), (16, 2, 0.012)]  # (B, batches, summed s); 8: none
+    assert analytic.ServiceCurve.from_totals(totals).points == ((1, 0.005), (16, 0.006))
+    for bad in ((), ((0, 0.001),), ((2, 0.001), (2, 0.002)), ((1, 0.0),), ((1, -1.0),)):
+        with pytest.raises(ValueError):
+            analytic.ServiceCurve(bad)
+    for text in ("", "1:", "1-4", "x:1", "1:4:5"):
+        with pytest.raises(ValueError):
+            analytic.ServiceCurve.parse(text)
+    with pytest.raises(ValueError):
+        ModelInputs(0.5, 4, 0.002, 0.005, 0.001, 0.004, max_batch=0)
+    with pytest.raises(ValueError):  # a flat S(B) = S(1) is no stand-in for a measured curve
+        ModelInputs(0.5, 4, 0.002, 0.005, 0.001, 0.004, max_batch=8)
+
+
+def _one_at_a_time(inputs: ModelInputs, n: int) -> tuple[float, float]:
+    """The model before batching, written out: (T_gamma, T_idle)."""
+    busy = n * inputs.draft_s
+    idle = max(0.0, inputs.draft_s + inputs.verify_s + inputs.link_s - busy)
+    return busy + idle, idle
+
+
+def test_max_batch_one_is_the_one_at_a_time_model() -> None:
+    """Catches a batched model that does not reduce to the old one at M = 1: batches of M = 1
+    miscounted (k != N), S(B_1) taken for another size, or a curve's other sizes leaking in."""
+    curve = analytic.ServiceCurve(((1, 0.002), (8, 0.0001), (64, 0.5)))  # only S(1) may count
+    for draft_s, verify_s, link_s in ((0.002, 0.005, 0.001), (0.0031, 0.0042, 0.0007)):
+        plain = ModelInputs(0.7, 4, draft_s, verify_s, link_s, 0.004)
+        curved = ModelInputs(0.7, 4, draft_s, verify_s, link_s, 0.004, 1,
+                             analytic.ServiceCurve(((1, draft_s), *curve.points[1:])))  # fmt: skip
+        for inputs in (plain, curved):
+            for n in range(1, 41):
+                p = analytic.predict(inputs, n)
+                iteration, idle = _one_at_a_time(plain, n)
+                assert p.iteration_s == pytest.approx(iteration) and p.batches == n
+                assert p.idle_s == pytest.approx(idle, abs=1e-12)
+            full = math.ceil((draft_s + verify_s + link_s) / draft_s)
+            assert analytic.saturation_point(inputs) == full
+            assert analytic.break_even_targets(inputs) == analytic.break_even_targets(plain)
+
+
+# S = 2 ms whatever the batch, R = 6 ms, batches of up to 64
+FLAT = ModelInputs(0.5, 4, 0.002, 0.005, 0.001, 0.004, max_batch=64,
+                   curve=analytic.ServiceCurve(((1, 0.002), (64, 0.002))))  # fmt: skip
+
+
+def test_batching_moves_n_full_out_and_multiplies_the_ceiling() -> None:
+    """Catches a model that still saturates at the one-at-a-time N_full (4) or caps system
+    throughput at E[L] / S(1): with free batching, N_full = M * ceil(R / s) + 1 and the fully
+    loaded ceiling is M times the one-at-a-time hub's E[L] / s."""
+    tokens = analytic.expected_tokens_per_round(0.5, 4)
+    one_at_a_time = analytic.predict(INPUTS, 1000).system_tokens_per_s
+    assert one_at_a_time == pytest.approx(tokens / 0.002)  # its saturation
+    assert analytic.saturation_point(FLAT) == 64 * 3 + 1 > FLAT.max_batch
+    at_m = analytic.predict(FLAT, 64)  # one batch of 64: under-loaded, a round every s + R
+    assert at_m.regime == "under-loaded" and at_m.iteration_s == pytest.approx(0.008)
+    assert at_m.system_tokens_per_s == pytest.approx(64 * 0.002 / 0.008 * one_at_a_time)
+    full = analytic.predict(FLAT, 4 * 64)  # full batches, hub never idle
+    assert full.regime == "fully-loaded" and full.hub_busy_fraction == pytest.approx(1.0)
+    assert full.system_tokens_per_s == pytest.approx(64 * one_at_a_time)
+
+
+# S(B) = 4 ms at B = 1 to 6 ms at B = 8, linear between: S(B) = (26 + 2B) / 7 ms; R = 8 ms
+SLOPED = ModelInputs(0.5, 4, 0.004, 0.007, 0.001, 0.004, max_batch=8,
+                     curve=analytic.ServiceCurve.parse("1:4,8:6"))  # fmt: skip
+
+
+def test_idle_boundary_is_exactly_at_n_full() -> None:
+    """Catches unequal batches (8 + 1 for N = 9 waits 6 + 8 ms, not S(5) + 8), T_idle taken
+    from the smallest batch instead of the largest, and an N_full off by one: 16 targets in
+    2 x 8 leave the hub 2 ms idle, 17 in 6 + 6 + 5 keep it busy (112 / 7 = 16 ms of service)."""
+    assert analytic.batch_sizes(9, 8) == (5, 4) and analytic.batch_sizes(17, 8) == (6, 6, 5)
+    nine = analytic.predict(SLOPED, 9)  # S(5) + S(4) = 10 ms busy; S(5) + R = 92 / 7 ms
+    assert nine.iteration_s == pytest.approx(92 / 7e3) and nine.idle_s == pytest.approx(22 / 7e3)
+    assert analytic.saturation_point(SLOPED) == 17
+    below = analytic.predict(SLOPED, 16)
+    assert below.regime == "under-loaded" and below.idle_s == pytest.approx(0.002)
+    at = analytic.predict(SLOPED, 17)
+    assert at.regime == "fully-loaded" and at.idle_s == 0.0
+    assert at.iteration_s == pytest.approx(0.016) and at.batches == 3 and at.largest_batch == 6
+
+
+def test_break_even_uses_the_curve() -> None:
+    """Catches break-even from S(1) alone (6 targets): with 64 jobs per 2 ms batch, T_gamma
+    stays within E[L] * T_ar = 13.4 ms up to 6 full batches, 384 targets."""
+    fast = dataclasses.replace(FLAT, alpha=0.8)
+    assert analytic.break_even_targets(fast) == 6 * 64
+    assert analytic.break_even_targets(dataclasses.replace(SLOPED, alpha=0.5)) == 0
+
+
+def test_inputs_from_bench_reads_old_and_new_json(tmp_path: Path) -> None:
+    """Catches a reader that breaks on benchmark JSON from before the curve, drops a recorded
+    curve or max batch, or cannot read what dataclasses.asdict writes (the scripts use it)."""
+    old = {"alpha": 0.7, "gamma": 4, "draft_s": 0.0055, "verify_s": 0.0082, "link_s": 0.0011,
+           "target_step_s": 0.008}  # fmt: skip
+    cases = {
+        "old": (old, ModelInputs(**old)),
+        "new": (analytic.inputs_as_json(SLOPED), SLOPED),
+        "asdict": (dataclasses.asdict(SLOPED), SLOPED),
+        "asdict-plain": (dataclasses.asdict(INPUTS), INPUTS),
+    }
+    assert analytic.inputs_as_json(SLOPED)["service_curve"] == [[1, 0.004], [8, 0.006]]
+    assert "service_curve" not in analytic.inputs_as_json(INPUTS)
+    for name, (raw, expected) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"model_inputs": raw}))
+        assert analytic.inputs_from_bench(path) == expected, name
+
+
+def test_cli_prints_the_curve_and_the_new_n_full(capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches --curve or --max-batch ignored (N_full would stay 3), the S(B) table missing,
+    and --max-batch without a curve accepted as free batching."""
+    analytic.main(["--alpha", "0.5", "--verify-ms", "7", "--link-ms", "1", "--target-step-ms",
+                   "4", "--curve", "1:4,8:6", "--n", "16", "17"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| 1 | 4.00 | 1.00 | 250 |" in out and "| 8 | 6.00 | 1.50 | 1333 |" in out
+    assert "N_full = 17" in out and "| 17 | fully-loaded | 16.00 | 0.00 |" in out
+    with pytest.raises(SystemExit):
+        analytic.main(["--max-batch", "8"])

@@ -101,6 +101,20 @@ async def test_hello_mismatch_is_refused_naming_the_difference(
     assert isinstance(refused, Error) and refused.code == ErrorCode.NOT_WELCOMED
 
 
+async def test_stats_reply_carries_the_service_curve(raw, llama_target: models.LoadedModel) -> None:
+    """Catches a hub whose STATS reply leaves the curve out, or whose curve disagrees with its
+    own batch and job counters (the drafting thread records both under one lock)."""
+    target = raw()
+    await target.hello(llama_target)
+    await target.open()  # the opening proposal: one batch drafted
+    reply = await target.ask(protocol.StatsRequest(5))
+    assert isinstance(reply, protocol.Stats) and reply.nonce == 5
+    rows = reply.service_totals()
+    assert rows and sum(count for _, count, _ in rows) == reply.batches
+    assert sum(size * count for size, count, _ in rows) == reply.jobs
+    assert sum(seconds for *_, seconds in rows) == pytest.approx(reply.busy_s, rel=1e-5)
+
+
 async def test_session_errors(raw, llama_target: models.LoadedModel) -> None:
     target = raw()
     await target.hello(llama_target)

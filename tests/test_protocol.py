@@ -73,6 +73,11 @@ MESSAGES: list[protocol.Message] = [
     Error(ErrorCode.FORBIDDEN, "not yours", tag=TAG, seq=3),
     Error(ErrorCode.MALFORMED, "bad"),
     protocol.StatsRequest(3),
+    # with the service curve first: the schema tests below edit the first sample of each type,
+    # and a curve array alone, without the rest of its group, is malformed
+    protocol.Stats(3, 1.5, 0.5, 10, 4, 2, 1, 9, 36, 20, 0.01, b"\x02" * 8,
+                   np.array([1, 8], np.int32), np.array([3, 1 << 40], np.int64),
+                   np.array([0.0125, 0.0047], np.float32)),
     protocol.Stats(3, 1.5, 0.5, 10, 4, 2, 1, 9, 36, 20, 0.01),
 ]  # fmt: skip
 
@@ -99,6 +104,9 @@ def _header(version: int, kind: int, body: object) -> bytes:
 
 V = protocol.PROTOCOL_VERSION
 GOOD_DRAFT = _frames(Draft(TAG, 1, 0, np.array([5], dtype=np.int32)))
+
+_STATS_BODY = {"nonce": 1, "wall_s": 1.0, "busy_s": 0.5, "jobs": 2, "batches": 1, "sessions": 1,
+               "targets": 1, "rounds": 2, "proposed": 8, "accepted": 4, "queue_wait_s": 0.0}
 
 BAD_FRAMES = {
     "empty": ([], ErrorCode.MALFORMED),
@@ -165,6 +173,16 @@ BAD_FRAMES = {
                                "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
         ErrorCode.INVALID_ARGUMENT),
     # a temperature of 1e-38 once decoded fine and the drafter then failed on NaN probabilities
+    # the service curve's columns must line up: a row with no count cannot be read
+    "curve lengths differ": ([
+        _header(V, protocol.Stats.TYPE, {**_STATS_BODY, "arrays": [
+            ["batch_sizes", "int32", [2]], ["batch_counts", "int64", [1]],
+            ["batch_busy_s", "float32", [2]]]}), b"\x00" * 8, b"\x00" * 8, b"\x00" * 8],
+        ErrorCode.MALFORMED),
+    "curve without counts": ([
+        _header(V, protocol.Stats.TYPE, {**_STATS_BODY, "arrays": [
+            ["batch_sizes", "int32", [1]], ["batch_busy_s", "float32", [1]]]}),
+        b"\x00" * 4, b"\x00" * 4], ErrorCode.MALFORMED),
     "tiny temperature": ([
         _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": 1e-38},
                                "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
@@ -341,13 +359,21 @@ def test_array_dtypes_and_rank_come_from_field_metadata(cls: type, name: str, sp
             assert info.value.code == ErrorCode.MALFORMED, (dtype, shape, info.value)
 
 
+def _left_out_with(cls: type, name: str) -> set[str]:
+    """``name`` and the arrays of its group (a group is optional as a whole, never in part)."""
+    group = {f.name: f.metadata["array"].group for f in dataclasses.fields(cls)
+             if "array" in f.metadata}  # fmt: skip
+    return {n for n, g in group.items() if g and g == group.get(name)} | {name}
+
+
 @pytest.mark.parametrize("cls", SCHEMA_CLASSES, ids=lambda c: c.__name__)
 def test_required_fields_are_those_without_defaults(cls: type) -> None:
     base = Open if cls is SamplingParams else cls
     for f in dataclasses.fields(cls):
         body, arrays = _parts(SAMPLES[base])
         (body["sampling"] if cls is SamplingParams else body).pop(f.name, None)
-        frames = _send(base, body, [(d, frame) for d, frame in arrays if d[0] != f.name])
+        left_out = _left_out_with(cls, f.name)
+        frames = _send(base, body, [(d, frame) for d, frame in arrays if d[0] not in left_out])
         if f.default is MISSING and f.default_factory is MISSING:
             with pytest.raises(ProtocolError) as info:
                 decode(frames)
@@ -375,3 +401,40 @@ def test_a_field_with_no_wire_form_is_refused_at_import() -> None:
             protocol._layout(cls)
     with pytest.raises(ValueError):
         protocol._array(frozenset({"float64"}), 1)  # decode could not build it
+
+
+def test_stats_carries_the_service_curve() -> None:
+    """Catches curve columns that lose their dtype or values on the way (a float64 sum where the
+    wire has no float64, counts cut to int32), or a Stats that old callers can no longer build."""
+    msg = next(m for m in MESSAGES if isinstance(m, protocol.Stats) and m.batch_sizes is not None)
+    out = decode(_frames(msg))
+    assert isinstance(out, protocol.Stats) and out.batch_busy_s is not None
+    assert out.batch_sizes.tolist() == [1, 8] and out.batch_counts.tolist() == [3, 1 << 40]
+    assert out.batch_busy_s.dtype == np.float32
+    assert out.batch_busy_s.tolist() == pytest.approx([0.0125, 0.0047], rel=1e-7)
+    old = decode(_frames(protocol.Stats(3, 1.5, 0.5, 10, 4, 2, 1, 9, 36, 20, 0.01)))
+    assert isinstance(old, protocol.Stats) and old.batch_sizes is None  # no curve: still fine
+
+
+def test_a_group_needs_a_first_dimension() -> None:
+    with pytest.raises(ValueError):
+        protocol._array(frozenset({"int32"}), 0, "curve")
+
+
+def test_hub_stats_curve_round_trips_through_stats() -> None:
+    """Catches a hub that sends means where the reader expects totals, or that mixes up the
+    columns (sizes and counts are both integers: only the values can tell)."""
+    from starsd.stats import HubStats
+
+    hub = HubStats()
+    for jobs, seconds in [(8, 0.005), (1, 0.004), (8, 0.007)]:
+        hub.record_batch(jobs, seconds, seconds)
+    msg = protocol.Stats(1, 1.0, hub.busy_s, hub.jobs, hub.batches, 1, 1, 3, 12, 6, 0.0,
+                         **protocol.curve_arrays(hub.service_totals()))  # fmt: skip
+    out = decode(_frames(msg))
+    assert isinstance(out, protocol.Stats)
+    assert out.service_totals() == [(1, 1, pytest.approx(0.004)), (8, 2, pytest.approx(0.012))]
+    assert protocol.Stats(1, 1.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0).service_totals() == []
+    empty = decode(_frames(protocol.Stats(1, 1.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0,
+                                          **protocol.curve_arrays([]))))  # fmt: skip
+    assert isinstance(empty, protocol.Stats) and empty.service_totals() == []

@@ -387,6 +387,7 @@ class Hub:
             proposed=sum(s.proposed for s in peers),
             accepted=sum(s.accepted for s in peers),
             queue_wait_s=sum(s.queue_wait_s for s in peers),
+            **protocol.curve_arrays(self.stats.service_totals()),
         )
 
     def _log_stats(self) -> None:

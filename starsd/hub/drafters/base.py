@@ -13,9 +13,10 @@ committed after them: the recovered or bonus token, plus any it decoded alone me
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -40,6 +41,7 @@ class ChainState:
 
 
 S = TypeVar("S", bound=ChainState)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,105 @@ def propose_each(
             log.exception("drafting failed for session %s", job.tag.hex()[:8])
             results.append(_job_error(job, ErrorCode.INTERNAL, f"drafting failed: {exc}"))
     return results
+
+
+@dataclass
+class ChainRow(Generic[S]):
+    """One job's row in a drafted batch: what it drafts, and what it has drawn so far."""
+
+    job: DraftJob[S]
+    gamma: int  # draft tokens this row proposes (its session's, fitted to the context)
+    tokens: list[int] = field(default_factory=list)
+    q_rows: list[torch.Tensor] = field(default_factory=list)  # [V] each, sampled sessions only
+
+    @property
+    def state(self) -> S:
+        """The session's draft state (owned by the drafting thread)."""
+        return self.job.state
+
+    def restart(self) -> None:
+        """Forget what a failed batch drew, before the row is drafted again alone."""
+        self.tokens, self.q_rows = [], []
+
+    def proposal(self) -> Proposal:
+        """The wire proposal of what the row drew; the session remembers it for the verdict."""
+        self.state.proposed = self.tokens
+        return make_proposal(self.job, self.tokens, self.q_rows, self.state.params)
+
+
+R = TypeVar("R", bound=ChainRow)  # a proposer's own row type
+
+
+def draw_step(logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int) -> torch.Tensor:
+    """Draft token ``step`` of every row from ``logits`` [B, V]; returns the tokens [B] to feed.
+
+    Greedy rows take one batched argmax; a sampled row draws with its own session generator, so
+    its tokens do not depend on which sessions share the batch. A row whose proposal is complete
+    feeds its argmax, computed and then discarded.
+    """
+    fed = torch.argmax(logits, dim=-1)  # [B]
+    for i, row in enumerate(rows):
+        if step >= row.gamma:
+            continue
+        if row.state.params.greedy:
+            row.tokens.append(int(fed[i]))
+            continue
+        token, q = draw(logits[i], row.state.params, row.state.generator)
+        row.tokens.append(token)
+        row.q_rows.append(q)  # type: ignore[arg-type]  # (a sampled draw returns q)
+        fed[i] = token
+    return fed
+
+
+def propose_batched(
+    jobs: list[DraftJob[S]],
+    prepare: Callable[[DraftJob[S]], R | Proposal | Error],
+    draft: Callable[[list[R]], None],
+) -> list[Proposal | Error]:
+    """Prepare each job (its verdict, its own errors), draft the rows as one batch, reply.
+
+    ``prepare`` applies a job's verdict exactly once and returns a row, or a result needing no
+    model work. ``draft`` fills the rows' tokens and commits their caches only once the whole
+    batch has succeeded; if it raises, each row is drafted again alone, so a session that breaks
+    a forward costs its own job an INTERNAL error and never the rest of its batch.
+    """
+    results: dict[int, Proposal | Error] = {}
+    rows: dict[int, R] = {}
+    for i, job in enumerate(jobs):
+        prepared = _guarded(job, functools.partial(prepare, job), "preparing")
+        if isinstance(prepared, ChainRow):
+            rows[i] = prepared
+        else:
+            results[i] = prepared
+    if rows:
+        _draft_rows(rows, draft, results)
+    return [results[i] for i in range(len(jobs))]
+
+
+def _draft_rows(rows: dict[int, R], draft: Callable[[list[R]], None],
+                results: dict[int, Proposal | Error]) -> None:  # fmt: skip
+    try:
+        draft(list(rows.values()))
+    except Exception:
+        log.exception("a batch of %d failed; drafting its sessions one at a time", len(rows))
+        for i, row in rows.items():
+            row.restart()
+            results[i] = _guarded(row.job, functools.partial(_draft_alone, row, draft), "drafting")
+        return
+    results.update((i, row.proposal()) for i, row in rows.items())
+
+
+def _draft_alone(row: R, draft: Callable[[list[R]], None]) -> Proposal:
+    draft([row])
+    return row.proposal()
+
+
+def _guarded(job: DraftJob[S], work: Callable[[], T], what: str) -> T | Error:
+    try:
+        return work()
+    except Exception as exc:  # one bad session must not take the drafting thread down
+        log.exception("%s failed for session %s", what, job.tag.hex()[:8])
+        return _job_error(job, ErrorCode.INTERNAL, f"{what} failed: {exc}")
 
 
 def context_full(job: DraftJob[S]) -> Error:

@@ -1,30 +1,32 @@
 """The EAGLE proposer (``--draft-kind eagle``): chain drafting from the target's own features.
 
-Per session the hub keeps the committed tokens and the head's KV cache. The cache's first
-``real_pairs`` positions hold pairs (f_j, x_{j+1}) fed with the target's features f_j (sent with
-OPEN and every DRAFT); the positions after them hold the head's own chained guesses and are cut
-before the next verdict is applied. The head's output at the last real pair is its prediction of
-the feature of the last committed token, whose draft logits give the first draft token.
+Per session the hub keeps the committed tokens and the head's KV cache. The cache holds the
+``real_pairs`` pairs (f_j, x_{j+1}) fed with the target's features f_j (sent with OPEN and every
+DRAFT); the head's chained guesses are drafted in the batch buffer and never kept. The head's
+output at the last real pair is its prediction of the feature of the last committed token, whose
+draft logits give the first draft token. A batch of jobs feeds every session's new real pairs in
+one ragged forward, then chains ``gamma - 1`` batched steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
 from starsd import eagle
+from starsd.batch import LayerBuffer, RaggedBatch, SequenceCache
 from starsd.hub.drafters.base import (
+    ChainRow,
     ChainState,
     DraftJob,
     commit_verdict,
     context_full,
-    draw,
+    draw_step,
     fitting_gamma,
     make_proposal,
     new_chain_state,
-    propose_each,
+    propose_batched,
 )
 from starsd.protocol import Error, Proposal, SamplingParams
 
@@ -33,9 +35,18 @@ from starsd.protocol import Error, Proposal, SamplingParams
 class EagleState(ChainState):
     """A session of the EAGLE head: the chain state, the head's cache and its last prediction."""
 
-    cache: Any = None  # the head's KV cache: real pairs first, then chained guesses
-    real_pairs: int = 0  # leading cache positions fed with the target's own features
+    cache: SequenceCache = field(default_factory=SequenceCache)  # the real pairs
+    real_pairs: int = 0  # cache positions, each fed with the target's own feature
     last_feature: torch.Tensor | None = None  # [H] the head's prediction at the last real pair
+
+
+@dataclass
+class EagleRow(ChainRow[EagleState]):
+    """A job in a batch: the real pairs its session feeds before drafting."""
+
+    ids: list[int] = field(default_factory=list)  # x_{j+1} for each new f_j
+    features: torch.Tensor | None = None  # [n, H] the new f_j, None when n == 0
+    last_feature: torch.Tensor | None = None  # [H] the head's prediction after the feed
 
 
 class EagleProposer:
@@ -50,51 +61,69 @@ class EagleProposer:
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> EagleState:
         """A session's state; the prompt's features come with its first job."""
-        chain = new_chain_state(prompt, params, gamma)
-        return EagleState(**vars(chain), cache=self.head.new_cache())
+        return EagleState(**vars(new_chain_state(prompt, params, gamma)))
 
     def propose(self, jobs: list[DraftJob[EagleState]]) -> list[Proposal | Error]:
-        """Apply each job's verdict and features, then draft its next proposal."""
-        return propose_each(jobs, self._draft)
+        """Apply each job's verdict and features, then draft every job's proposal in one batch."""
+        return propose_batched(jobs, self._prepare, self._draft)
 
-    def _draft(self, job: DraftJob[EagleState]) -> Proposal | Error:
+    def _prepare(self, job: DraftJob[EagleState]) -> EagleRow | Proposal | Error:
         state = job.state
         commit_verdict(state, job.accepted, job.appended)
-        state.cache.crop(state.real_pairs)
-        feature = self._feed(state, job)  # [H] predicted feature of the last token, or None
+        n = 0 if job.features is None else len(job.features)
         gamma = fitting_gamma(state, self.max_positions)
         if gamma < 1:
             return context_full(job)
-        if feature is None:  # a one-token prompt: nothing to extrapolate from yet
+        if n == 0 and state.real_pairs == 0:  # a one-token prompt: nothing to extrapolate yet
+            state.proposed = []
             return make_proposal(job, [], [], state.params)
-        tokens, q_rows = self._chain(state, feature, gamma)
-        state.proposed = tokens
-        return make_proposal(job, tokens, q_rows, state.params)
+        ids = state.tokens[state.real_pairs + 1 : state.real_pairs + 1 + n]
+        if len(ids) != n:  # the table checks the row count; this guards the invariant
+            raise ValueError(f"{n} features for {len(ids)} uncached tokens")
+        feats = None if job.features is None else torch.from_numpy(job.features)
+        return EagleRow(job, gamma, ids=ids, features=feats)
 
-    def _feed(self, state: EagleState, job: DraftJob[EagleState]) -> torch.Tensor | None:
-        """Feed the new real pairs; the head's prediction at the last one."""
-        n = 0 if job.features is None else len(job.features)
-        if n == 0:
-            return None if state.real_pairs == 0 else state.last_feature
-        start = state.real_pairs
-        ids = state.tokens[start + 1 : start + 1 + n]  # x_{j+1} for each new f_j
-        assert job.features is not None
-        out = self.head.forward(ids, torch.from_numpy(job.features), state.cache)  # [n, H]
-        state.real_pairs += n
-        state.last_feature = out[-1]
-        return out[-1]
+    def _draft(self, rows: list[EagleRow]) -> None:
+        batch = RaggedBatch(tuple(r.state.real_pairs for r in rows),
+                            tuple(len(r.ids) for r in rows),
+                            max(r.gamma for r in rows) - 1)  # fmt: skip
+        buffer = batch.gather([r.state.cache for r in rows], self.head.kv_shapes,
+                              self.head.dtype, self.head.device)[0]  # fmt: skip
+        feature = self._feed(batch, rows, buffer)  # [B, H]
+        filled = batch.cached_width + batch.fed_width
+        for step in range(batch.steps + 1):
+            fed = draw_step(self.head.logits(feature), rows, step)  # [B]
+            if step < batch.steps:
+                feature = self.head.forward_batch(fed[:, None], feature[:, None],
+                                                  batch.step_positions(step),
+                                                  batch.key_mask(filled + step + 1),
+                                                  buffer)[:, 0]  # [B, H]  # fmt: skip
+        for i, row in enumerate(rows):  # commit only once every row has drawn
+            _commit(row, batch.scatter([buffer], i, 0))  # the chained guesses are not kept
 
-    def _chain(
-        self, state: EagleState, feature: torch.Tensor, gamma: int
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        tokens: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        for i in range(gamma):
-            logits = self.head.logits(feature[None])[0]  # [V]
-            token, q = draw(logits, state.params, state.generator)
-            tokens.append(token)
-            if q is not None:
-                q_rows.append(q)
-            if i < gamma - 1:
-                feature = self.head.forward([token], feature[None], state.cache)[-1]  # [H]
-        return tokens, q_rows
+    def _feed(self, batch: RaggedBatch, rows: list[EagleRow], buffer: LayerBuffer) -> torch.Tensor:
+        """Feed every row's new real pairs; the head's prediction at each row's last one [B, H]."""
+        predicted = [r.state.last_feature for r in rows]
+        if batch.fed_width:
+            feats = torch.zeros(batch.rows, batch.fed_width, self.feature_width,
+                                dtype=self.head.dtype)  # [B, F, H]  # fmt: skip
+            for i, row in enumerate(rows):
+                if row.features is not None:
+                    feats[i, : len(row.ids)] = row.features
+            out = self.head.forward_batch(batch.input_ids([r.ids for r in rows]), feats,
+                                          batch.feed_positions(),
+                                          batch.key_mask(batch.cached_width + batch.fed_width),
+                                          buffer)  # [B, F, H]  # fmt: skip
+            for i, row in enumerate(rows):
+                if row.ids:
+                    predicted[i] = out[i, len(row.ids) - 1]
+        for row, feature in zip(rows, predicted, strict=True):
+            row.last_feature = feature
+        return torch.stack(predicted)  # type: ignore[arg-type]  # (every row has one now)
+
+
+def _commit(row: EagleRow, cache: SequenceCache) -> None:
+    """The session keeps its real pairs and the prediction at the last one."""
+    row.state.cache = cache
+    row.state.real_pairs = cache.length
+    row.state.last_feature = row.last_feature

@@ -1,27 +1,29 @@
 """The draft-LLM proposer (``--draft-kind llm``): chain drafting with a separate small causal LM.
 
-Each session keeps its own KV cache next to the committed tokens; a verdict crops the cache back
-to what stays valid (the accepted prefix) before drafting again.
+Each session keeps its own KV cache (a :class:`~starsd.batch.SequenceCache`) next to the
+committed tokens; a verdict crops the cache back to what stays valid (the accepted prefix). A
+batch of jobs is drafted together: every session's uncached tokens go through one ragged
+forward, then ``gamma - 1`` batched decode steps, each row drawing with its own generator.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
 from starsd import models
+from starsd.batch import RaggedBatch, SequenceCache
 from starsd.hub.drafters.base import (
+    ChainRow,
     ChainState,
     DraftJob,
     commit_verdict,
     context_full,
-    draw,
+    draw_step,
     fitting_gamma,
-    make_proposal,
     new_chain_state,
-    propose_each,
+    propose_batched,
 )
 from starsd.protocol import Error, Proposal, SamplingParams
 
@@ -30,11 +32,18 @@ from starsd.protocol import Error, Proposal, SamplingParams
 class LlmState(ChainState):
     """A session of the draft LLM: the shared chain state plus its KV cache."""
 
-    cache: Any = None  # transformers DynamicCache over the committed (and drafted) positions
+    cache: SequenceCache = field(default_factory=SequenceCache)  # committed (+ drafted) positions
+
+
+@dataclass
+class LlmRow(ChainRow[LlmState]):
+    """A job in a batch: the committed tokens its session feeds before drafting."""
+
+    feed: list[int] = field(default_factory=list)
 
 
 class LlmProposer:
-    """Chain drafting with a small causal LM (q), one session at a time."""
+    """Chain drafting with a small causal LM (q), every job of a batch in one forward."""
 
     kind = "llm"
     feature_width = 0
@@ -42,34 +51,51 @@ class LlmProposer:
     def __init__(self, draft: models.LoadedModel) -> None:
         self.draft = draft
         self.max_positions = draft.max_positions
+        self.kv_shapes = models.kv_shapes(draft)  # (heads, head_dim) per layer
+        self.dtype = next(draft.model.parameters()).dtype
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> LlmState:
         """A session's state with an empty cache; the prompt is fed with its first job."""
-        chain = new_chain_state(prompt, params, gamma)
-        return LlmState(**vars(chain), cache=models.new_cache(self.draft))
+        return LlmState(**vars(new_chain_state(prompt, params, gamma)))
 
     def propose(self, jobs: list[DraftJob[LlmState]]) -> list[Proposal | Error]:
-        """Apply each job's verdict and draft its next proposal (one result per job)."""
-        return propose_each(jobs, self._draft)
+        """Apply each job's verdict, then draft every job's next proposal in one batch."""
+        return propose_batched(jobs, self._prepare, self._draft)
 
-    def _draft(self, job: DraftJob[LlmState]) -> Proposal | Error:
-        state = job.state
-        feed = apply_verdict(state, job.accepted, job.appended)
-        gamma = fitting_gamma(state, self.max_positions)
+    def _prepare(self, job: DraftJob[LlmState]) -> LlmRow | Error:
+        feed = apply_verdict(job.state, job.accepted, job.appended)
+        gamma = fitting_gamma(job.state, self.max_positions)
         if gamma < 1:
             return context_full(job)
-        logits = models.forward(self.draft, feed, state.cache)[-1]  # [V]
-        tokens: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        for i in range(gamma):
-            token, q = draw(logits, state.params, state.generator)
-            tokens.append(token)
-            if q is not None:
-                q_rows.append(q)
-            if i < gamma - 1:
-                logits = models.forward(self.draft, [token], state.cache)[-1]  # [V]
-        state.proposed = tokens
-        return make_proposal(job, tokens, q_rows, state.params)
+        return LlmRow(job, gamma, feed=feed)
+
+    def _draft(self, rows: list[LlmRow]) -> None:
+        batch = RaggedBatch(tuple(r.state.cache.length for r in rows),
+                            tuple(len(r.feed) for r in rows),
+                            max(r.gamma for r in rows) - 1)  # fmt: skip
+        buffers = batch.gather([r.state.cache for r in rows], self.kv_shapes, self.dtype,
+                               self.draft.device)  # fmt: skip
+        filled = batch.cached_width + batch.fed_width
+        logits, _ = models.forward_batch(self.draft, batch.input_ids([r.feed for r in rows]),
+                                         batch.feed_positions(), batch.key_mask(filled),
+                                         buffers)  # [B, F, V]  # fmt: skip
+        logits = logits[torch.arange(batch.rows), batch.last_fed()]  # [B, V]
+        for step in range(batch.steps + 1):
+            fed = draw_step(logits, rows, step)  # [B]
+            if step < batch.steps:
+                logits = self._step(batch, buffers, fed, step, filled)  # [B, V]
+        for i, row in enumerate(rows):  # commit only once every row has drawn
+            row.state.cache = batch.scatter(buffers, i, row.gamma - 1)
+
+    def _step(self, batch: RaggedBatch, buffers: list, fed: torch.Tensor, step: int,
+              filled: int) -> torch.Tensor:  # fmt: skip
+        """One decode step of every row; logits [B, V]."""
+        positions = batch.step_positions(step)  # [B, 1]
+        if self.max_positions is not None:  # rows already complete may run past their limit
+            positions = positions.clamp(max=self.max_positions - 1)
+        logits, _ = models.forward_batch(self.draft, fed[:, None], positions,
+                                         batch.key_mask(filled + step + 1), buffers)  # fmt: skip
+        return logits[:, 0]
 
 
 def apply_verdict(state: LlmState, accepted: int, appended: tuple[int, ...]) -> list[int]:
@@ -78,8 +104,8 @@ def apply_verdict(state: LlmState, accepted: int, appended: tuple[int, ...]) -> 
     Returns the tokens to feed next: those committed but not cached (at least the last one,
     whose logits give the first draft token).
     """
-    valid = min(models.cache_length(state.cache), len(state.tokens) + accepted)
+    valid = min(state.cache.length, len(state.tokens) + accepted)
     commit_verdict(state, accepted, appended)
     valid = min(valid, len(state.tokens) - 1)
-    models.crop_cache(state.cache, valid)
+    state.cache.crop(valid)
     return state.tokens[valid:]

@@ -1,0 +1,91 @@
+"""The ragged batch layout (starsd/batch.py) and the batched forward over it (models.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from starsd import models
+from starsd.batch import RaggedBatch, SequenceCache
+
+
+def test_layout_of_a_ragged_batch() -> None:
+    """Catches an off-by-one in where a row's cached, fed and decoded columns sit."""
+    batch = RaggedBatch(cached=(2, 0, 3), fed=(1, 3, 2), steps=2)
+    assert (batch.cached_width, batch.fed_width, batch.capacity) == (3, 3, 8)
+    assert batch.key_mask(8).tolist() == [
+        [0, 1, 1, 1, 0, 0, 1, 1],
+        [0, 0, 0, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 0, 1, 1],
+    ]
+    assert batch.feed_positions().tolist() == [[2, 2, 2], [0, 1, 2], [3, 4, 4]]
+    assert batch.step_positions(1).flatten().tolist() == [4, 4, 6]
+    assert batch.last_fed().tolist() == [0, 2, 1]
+    assert batch.input_ids([[7], [1, 2, 3], [4, 5]], pad=9).tolist() == [
+        [7, 9, 9], [1, 2, 3], [4, 5, 9]]  # fmt: skip
+
+
+@pytest.mark.parametrize("cached, fed", [((0,), (0,)), ((1,), (-1,)), ((1, 2), (1,))])
+def test_a_row_without_keys_is_refused(cached: tuple, fed: tuple) -> None:
+    """Catches a batch whose padding queries would see no key at all (a NaN softmax)."""
+    with pytest.raises(ValueError):
+        RaggedBatch(cached, fed, 0)
+
+
+def test_gather_then_scatter_gives_each_row_its_own_compact_cache() -> None:
+    """Catches a scatter that keeps padding or another row's columns, or a view into the whole
+    batch buffer (which would pin the batch's memory for as long as the session lives)."""
+    shapes = [(2, 4), (2, 4)]
+    caches = [SequenceCache([(torch.randn(2, c, 4), torch.randn(2, c, 4)) for _ in shapes])
+              for c in (3, 1)]  # fmt: skip
+    batch = RaggedBatch((3, 1), (2, 1), steps=1)
+    buffers = batch.gather(caches, shapes, torch.float32, torch.device("cpu"))
+    for b in buffers:  # what a forward would append: the feed, then one decode step
+        b.append(torch.full((2, 2, 2, 4), 5.0), torch.full((2, 2, 2, 4), 6.0))
+        b.append(torch.full((2, 2, 1, 4), 7.0), torch.full((2, 2, 1, 4), 8.0))
+    row1 = batch.scatter(buffers, 1, steps_kept=1)
+    assert row1.length == 1 + 1 + 1
+    k, v = row1.layers[0]
+    assert torch.equal(k[:, 0], caches[1].layers[0][0][:, 0])
+    assert k[:, 1].eq(5).all() and k[:, 2].eq(7).all() and v[:, 2].eq(8).all()
+    assert k.untyped_storage().nbytes() == k.nbytes  # its own memory, not a view of the batch
+    assert batch.scatter(buffers, 0, steps_kept=0).length == 3 + 2
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_ragged_forward_equals_each_sequence_alone(
+    family: str, llama_pair: tuple[Path, Path], gpt2_pair: tuple[Path, Path]
+) -> None:
+    """Catches wrong position ids, a mask that lets a row see padding or another row, and a
+    cache layer that writes to the wrong columns (Llama: rotary positions; GPT-2: learned)."""
+    draft = models.load_causal_lm({"llama": llama_pair, "gpt2": gpt2_pair}[family][1])
+    shapes = models.kv_shapes(draft)
+    seqs = [[5, 17, 33, 8, 9, 11, 40], [3, 4], [21, 22, 23, 24, 25]]
+    split = [4, 0, 3]  # cached part of each sequence
+    caches = []
+    for seq, c in zip(seqs, split, strict=True):
+        cache = SequenceCache()
+        if c:
+            first = RaggedBatch((0,), (c,), 0)
+            buffers = first.gather([cache], shapes, torch.float32, draft.device)
+            models.forward_batch(draft, first.input_ids([seq[:c]]), first.feed_positions(),
+                                 first.key_mask(c), buffers)  # fmt: skip
+            cache = first.scatter(buffers, 0, 0)
+        caches.append(cache)
+    fed = tuple(len(s) - c for s, c in zip(seqs, split, strict=True))
+    batch = RaggedBatch(tuple(split), fed, 1)
+    buffers = batch.gather(caches, shapes, torch.float32, draft.device)
+    width = batch.cached_width + batch.fed_width
+    feeds = [s[c:] for s, c in zip(seqs, split, strict=True)]
+    logits, _ = models.forward_batch(draft, batch.input_ids(feeds), batch.feed_positions(),
+                                     batch.key_mask(width), buffers)  # fmt: skip
+    nxt = torch.tensor([[1], [2], [3]])
+    step, _ = models.forward_batch(draft, nxt, batch.step_positions(0),
+                                   batch.key_mask(width + 1), buffers)  # fmt: skip
+    for i, seq in enumerate(seqs):
+        alone = models.forward(draft, [*seq, int(nxt[i])], models.new_cache(draft))
+        real = logits[i, : len(feeds[i])]
+        torch.testing.assert_close(real, alone[split[i] : len(seq)], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(step[i, 0], alone[-1], atol=1e-5, rtol=1e-4)
