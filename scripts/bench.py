@@ -219,7 +219,7 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
               f"target process(es) x {run.concurrency} sequence(s) ...", flush=True)  # fmt: skip
         runs.append(hub_run(cfg, procs, work, info, run, inputs, curve))
     base = standalone["system_tokens_per_s"]
-    return {"runs": runs, "model_inputs": asdict(inputs), "hub_overhead": overhead,
+    return {"runs": runs, "model_inputs": analytic.inputs_as_json(inputs), "hub_overhead": overhead,
             "service_curve_in_process": [{"batch": b, "ms": 1e3 * t} for b, t in curve],
             "batched_vs_one_at_a_time": batched_comparison(runs),
             "eagle": {"draft_ms_per_round": 1e3 * measured_eagle["draft_s"],

@@ -63,21 +63,27 @@ async def hub_stats(endpoint: str, info: TargetInfo) -> Stats:
         ctx.term()
 
 
+Hub = tuple[subprocess.Popen[bytes], str]  # a started hub process and its endpoint
+# No message budget: the probes send PINGs and rounds back to back, as no target does.
+NULL_HUB_ARGS = ("--draft-kind", "null", "--peer-budget", "0")
+
+
 def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
-                 rounds: int | None = None) -> dict:  # fmt: skip
+                 rounds: int | None = None, hub: Hub | None = None) -> dict:  # fmt: skip
     """Null-drafter hub round against a bare ZeroMQ echo process (see scripts/overhead.py);
-    ``rounds`` per probe (default 3000, 1000 with --quick)."""
+    ``rounds`` per probe (default 3000, 1000 with --quick); ``hub``: a null hub already
+    started (unpinned, NULL_HUB_ARGS), stopped here."""
     import overhead
 
     print("[overhead] hub round (null drafter) against a bare ZeroMQ echo ...", flush=True)
     echo = procs.start([str(REPO / "scripts" / "zmq_echo.py")], work / "echo.log")
     echo_ep = wait_for_line(work / "echo.log", r"echo listening on (tcp://\S+)", echo)
-    hub, hub_ep = _null_hub(cfg, procs, work, None)
+    proc, hub_ep = hub or _null_hub(cfg, procs, work, None)
     try:
         result = overhead.measure(echo_ep, hub_ep, _hello(info),
                                   rounds or (1000 if cfg.quick else 3000))
     finally:
-        stop(hub)
+        stop(proc)
         stop(echo)
     blocking, echo_ms = result["blocking_client"], result["echo_round_trip_ms"]
     print(f"[overhead] paced ({result['think_ms']} ms idle): echo {echo_ms:.3f}"
@@ -89,13 +95,15 @@ def hub_overhead(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInf
 
 
 def link_round_ms(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
-                  cpus: tuple[set[int] | None, set[int] | None]) -> float:  # fmt: skip
+                  cpus: tuple[set[int] | None, set[int] | None],
+                  hub: Hub | None = None) -> float:  # fmt: skip
     """The model's link time: a null-drafter round after the client idled the verify time, with
-    the hub on ``cpus[0]`` and the client on ``cpus[1]`` (None: anywhere)."""
+    the hub on ``cpus[0]`` and the client on ``cpus[1]`` (None: anywhere); ``hub``: a null hub
+    already started so (NULL_HUB_ARGS), stopped here."""
     import overhead
 
     print("[overhead] null-drafter round after an idle verify time ...", flush=True)
-    hub, hub_ep = _null_hub(cfg, procs, work, cpus[0])
+    proc, hub_ep = hub or _null_hub(cfg, procs, work, cpus[0])
     own = os.sched_getaffinity(0)
     try:
         if cpus[1] is not None:
@@ -103,14 +111,11 @@ def link_round_ms(cfg: BenchConfig, procs: Processes, work: Path, info: TargetIn
         return overhead.link_round_ms(hub_ep, _hello(info), cfg.verify_ms / 1e3)
     finally:
         os.sched_setaffinity(0, own)
-        stop(hub)
+        stop(proc)
 
 
-def _null_hub(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | None
-              ) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
-    # No message budget: the probes send PINGs and rounds back to back, as no target does.
-    return start_hub(procs, cfg.draft, work / "hub-null.log", "--draft-kind", "null",
-                     "--peer-budget", "0", cpus=cpus)  # fmt: skip
+def _null_hub(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | None) -> Hub:
+    return start_hub(procs, cfg.draft, work / "hub-null.log", *NULL_HUB_ARGS, cpus=cpus)
 
 
 def _hello(info: TargetInfo) -> Hello:

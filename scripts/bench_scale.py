@@ -19,12 +19,20 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench_common import BenchConfig, hub_overhead, hub_stats, link_round_ms, run_record
-from harness import REPO, Processes, rss_mb, start_hubs, stop
+from bench_common import (
+    NULL_HUB_ARGS,
+    BenchConfig,
+    Hub,
+    hub_overhead,
+    hub_stats,
+    link_round_ms,
+    run_record,
+)
+from harness import REPO, Processes, rss_mb, start_hub_set, start_hubs, stop
 
 from edge.client import TargetInfo
 from starsd import analytic, models, transport
@@ -171,14 +179,28 @@ def wait_sessions_closed(endpoint: str, info: TargetInfo, timeout: float = 15.0)
         time.sleep(0.25)
 
 
-def run_sweep(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
-              cpus: tuple[set[int] | None, set[int] | None]) -> dict[str, Any]:  # fmt: skip
+def suite_hubs(cfg: BenchConfig, work: Path, cpus: tuple[set[int] | None, set[int] | None]
+               ) -> dict[str, tuple[Path, list[str], set[int] | None]]:  # fmt: skip
+    """The suite's hubs: a null hub for the overhead probe (unpinned) and one for the link time
+    (on the hubs' CPU), then the two swept hubs, which differ only in --max-batch."""
+    swept = ["--model", cfg.draft, "--gamma", str(cfg.gamma), "--max-sessions", "4096"]
+    null = ["--model", cfg.draft, *NULL_HUB_ARGS]
+    return {"null": (work / "hub-null.log", null, None),
+            "null-pinned": (work / "hub-null-pinned.log", null, cpus[0]),
+            **{h: (work / f"hub-scale-{h}.log", [*swept, "--max-batch", str(m)], cpus[0])
+               for h, m in max_batches(cfg).items()}}  # fmt: skip
+
+
+def max_batches(cfg: BenchConfig) -> dict[str, int]:
+    """Each swept hub's --max-batch."""
+    return {ONE_AT_A_TIME: 1, BATCHED: cfg.max_batch}
+
+
+def run_sweep(cfg: BenchConfig, procs: Processes, info: TargetInfo, hubs: dict[str, Hub],
+              work: Path, cpus: tuple[set[int] | None, set[int] | None]
+              ) -> dict[str, Any]:  # fmt: skip
     """Both hubs at every N, alternating; their reports (with RSS) and the after-sweep RSS."""
-    max_batch = {ONE_AT_A_TIME: 1, BATCHED: cfg.max_batch}
-    started = start_hubs(procs, cfg.draft, [work / f"hub-scale-{h}.log" for h in HUBS],
-                         "--gamma", str(cfg.gamma), "--max-sessions", "4096", cpus=cpus[0],
-                         per_hub=[["--max-batch", str(max_batch[h])] for h in HUBS])  # fmt: skip
-    hubs = dict(zip(HUBS, started, strict=True))
+    max_batch = max_batches(cfg)
     reports: dict[str, list[dict]] = {h: [] for h in HUBS}
     for n, hub in sweep_order(cfg.scale_ns):
         proc, endpoint = hubs[hub]
@@ -208,7 +230,7 @@ def service_curves(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int
     out = work / "service.json"
     args = [str(REPO / "scripts" / "bench_service.py"), "--draft", cfg.draft, "--target",
             cfg.target, "--eagle", cfg.eagle, "--gamma", str(cfg.gamma), "--out", str(out),
-            "--no-plot", *(["--quick", "--repeats", "3", "--no-memory"] if cfg.quick else [])
+            "--no-plot", *(["--quick", "--repeats", "5", "--no-memory"] if cfg.quick else [])
             ]  # fmt: skip
     proc = procs.start(args, work / "service.log", cpus=cpus)
     if proc.wait(timeout=900) != 0:
@@ -227,15 +249,11 @@ def service_curves(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int
 def batched_inputs(inputs: analytic.ModelInputs, max_batch: int,
                    points: Iterable[tuple[int, float]]) -> analytic.ModelInputs | None:  # fmt: skip
     """The model's inputs for a hub that drafts up to ``max_batch`` jobs in one batch, whose
-    service time per batch is S(B) at ``points`` (batch size, seconds); None while
-    starsd.analytic has no S(B) (``ServiceCurve``, ``ModelInputs.max_batch``/``curve``).
-    The one place that builds them."""
-    curve = getattr(analytic, "ServiceCurve", None)
+    service time per batch is S(B) at ``points`` (batch size, seconds); None without points."""
     pts = tuple(sorted(points))
-    if curve is None or not pts:
+    if not pts:
         return None
-    fields: dict[str, Any] = {"max_batch": max_batch, "curve": curve(pts)}
-    return replace(inputs, **fields)
+    return replace(inputs, max_batch=max_batch, curve=analytic.ServiceCurve(pts))
 
 
 def curve_points(calibration: dict) -> dict[int, tuple[int, float]]:
@@ -276,16 +294,19 @@ def emulated_record(inputs: analytic.ModelInputs, report: dict, hub: str = BATCH
                     curve: dict[int, float] | None = None) -> dict:  # fmt: skip
     """One sweep step's record: what the window measured, and the model's prediction of it.
 
-    ``curve`` (the sweep's S(B), batched hub): the prediction is the model with S(B), this
-    step's own calibration points taking precedence, when starsd.analytic has it; otherwise
-    the per-job model calibrated on this step.
+    ``curve`` (the sweep's S(B) from its calibration slices, batched hub): the prediction is
+    the model with S(B), this step's own calibration points taking precedence, and the "one S"
+    prediction the sweep's curve alone; without a curve, the per-job model calibrated on this
+    step (and the sweep's one S(d)).
     """
     calibration = report["calibration"]
     per_job = emulated_prediction(inputs, report, calibrated=True)
+    one_s = emulated_prediction(inputs, report, calibrated=False)
     with_curve = None
-    if curve is not None:
+    if curve:
         own = {b: s / c for b, (c, s) in curve_points(calibration).items() if c}
         with_curve = curve_prediction(inputs, report, {**curve, **own})
+        one_s = curve_prediction(inputs, report, curve) or one_s  # the sweep's one S(B)
     return run_record(
         f"emulated-{hub}", report["n_targets"], **{k: report[k] for k in _EMULATED_KEYS},
         max_batch=report.get("max_batch", 1), mean_batch_size=report.get("mean_batch_size"),
@@ -302,7 +323,7 @@ def emulated_record(inputs: analytic.ModelInputs, report: dict, hub: str = BATCH
         predicted_system_tokens_per_s=per_job if with_curve is None else with_curve,
         prediction_model="per-job S(d)" if with_curve is None else "S(B)",
         predicted_per_job_tokens_per_s=per_job,
-        predicted_one_s_tokens_per_s=emulated_prediction(inputs, report, calibrated=False),
+        predicted_one_s_tokens_per_s=one_s,
     )  # fmt: skip
 
 
@@ -335,7 +356,7 @@ def emulated_prediction(inputs: analytic.ModelInputs, report: dict, calibrated: 
 
 def curve_prediction(inputs: analytic.ModelInputs, report: dict, curve: dict[int, float]
                      ) -> float | None:  # fmt: skip
-    """The model with S(B) for one step of the batched sweep (None without S(B) support)."""
+    """The model with S(B) for one step of the batched sweep (None without a point)."""
     max_batch = report.get("max_batch", 1)
     with_curve = batched_inputs(_run_inputs(inputs, report), max_batch, curve.items())
     if with_curve is None:
@@ -447,17 +468,19 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     target = models.load_tokenizer_info(cfg.target)  # the emulated targets claim its tokenizer
     info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint)
     phases = Phases()
+    cpus = placement()
+    with phases("hubs_start"):  # every hub of the suite loads at once; they idle until used
+        hubs = start_hub_set(procs, suite_hubs(cfg, work, cpus))
     with phases("hub_overhead"):
         # (the quick sweep of two hubs needs the time: fewer rounds of the overhead probe)
         rounds = QUICK_OVERHEAD_ROUNDS if cfg.quick else None
-        overhead = hub_overhead(cfg, procs, work, info, rounds)
-    cpus = placement()
+        overhead = hub_overhead(cfg, procs, work, info, rounds, hubs["null"])
     with phases("link"):
-        link_ms = link_round_ms(cfg, procs, work, info, cpus)
+        link_ms = link_round_ms(cfg, procs, work, info, cpus, hubs["null-pinned"])
     with phases("service"):
         service = service_curves(cfg, procs, work, cpus[0])
     with phases("sweep"):
-        sweep = run_sweep(cfg, procs, work, info, cpus)
+        sweep = run_sweep(cfg, procs, info, {h: hubs[h] for h in HUBS}, work, cpus)
     reports, after = sweep["reports"], sweep["after"]
     inputs = {h: sweep_inputs(cfg, reports[h], link_ms) for h in HUBS}
     curve = pooled_points(curve_points(r["calibration"]) for r in reports[BATCHED])
@@ -478,19 +501,20 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
             one_to_one = emulated_one_to_one(cfg, procs, work, info, base["n_full_measured"],
                                              cpus)  # fmt: skip
         steadiness = latency_steadiness(runs[ONE_AT_A_TIME], one_to_one, base["n_full_measured"])
+    top = summaries[BATCHED]  # the default hub's figures, where one hub's were before
     return {
         "runs": [*runs[ONE_AT_A_TIME], *runs[BATCHED], *([one_to_one] if one_to_one else [])],
-        # the one-at-a-time hub's per-job model (what `make analytic` reads) and N_full figures
-        "model_inputs": asdict(inputs[ONE_AT_A_TIME]),
-        **{k: base[k] for k in ("n_full_measured", "n_full_model", "n_full_within_one_step",
-                                "max_prediction_error", "max_prediction_error_one_s")},
-        "model_inputs_batched": {**asdict(inputs[BATCHED]), "max_batch": cfg.max_batch,
-                                 "curve": sorted(curve.items())},
+        # the batched hub's model with its S(B) (what `make analytic` reads), then the baseline's
+        "model_inputs": analytic.inputs_as_json(batched_model or inputs[BATCHED]),
+        "model_inputs_one_at_a_time": analytic.inputs_as_json(inputs[ONE_AT_A_TIME]),
+        **{k: top[k] for k in ("n_full_measured", "n_full_model", "n_full_within_one_step",
+                               "max_prediction_error", "max_prediction_error_one_s")},
         "hubs": summaries,
         **compare_hubs(runs[ONE_AT_A_TIME], runs[BATCHED], base["n_full_measured"],
                        summaries[BATCHED]["n_full_measured"]),
         "service": service,
-        "latency_std_ms": steadiness,  # null with --quick (no 1:1 baseline)
+        # the one-at-a-time hub at its N_full against as many 1:1 pairs; null with --quick
+        "latency_std_ms": steadiness,
         "hub_overhead": overhead, "link_round_ms": link_ms,
         "placement": {"hubs": sorted(cpus[0] or []), "targets": sorted(cpus[1] or [])},
         "phase_s": phases.seconds,
@@ -549,16 +573,21 @@ def plot(result: dict, path: Path) -> None:
         ax.plot(ns, [r["predicted_system_tokens_per_s"] for r in runs], "--", c=style,
                 label=f"{hub}: model ({runs[0]['prediction_model']})")  # fmt: skip
         ax.axvline(result["hubs"][hub]["n_full_measured"], ls=":", c=style)
+        ax.axvline(result["hubs"][hub]["n_full_model"], ls="-.", c=style, lw=0.8)
     ax.set(xscale="log", yscale="log", xlabel="emulated targets N", ylabel="system tokens/s",
-           title="throughput vs N (dotted: measured N_full)")  # fmt: skip
+           title="throughput vs N (N_full dotted: measured, dash-dot: model)")  # fmt: skip
     ax.legend(fontsize=8)
     if result.get("service"):
         plot_curves(result["service"], ax_s)
-    curve = result["model_inputs_batched"]["curve"]
+    curve = result["model_inputs"].get("service_curve")
     if curve:
         ax_s.scatter([b for b, _ in curve], [1e3 * s for _, s in curve], c="k", marker="x",
                      zorder=3, label="batched hub (sweep calibration)")  # fmt: skip
-        ax_s.legend(fontsize=8)
+    one = result.get("model_inputs_one_at_a_time")
+    if one:
+        ax_s.scatter([1], [1e3 * one["draft_s"]], c="red", marker="+", s=80, zorder=3,
+                     label="one-at-a-time hub S(1)")  # fmt: skip
+    ax_s.legend(fontsize=8)
     ax_s.set(title="S(B): one batch of B sessions, gamma 4")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

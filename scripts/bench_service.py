@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # as the hub (--threads 1)
     sizes = tuple(int(b) for b in args.sizes)
-    repeats = args.repeats or (5 if args.quick else 11)
+    repeats = args.repeats or (7 if args.quick else 21)
     drafters: dict[str, Any] = {}
     drafters["llm"] = measure("llm", args.draft, args.target, sizes, repeats, args.gamma,
                               memory=not args.no_memory)  # fmt: skip
@@ -274,7 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="EAGLE head directory ('' to skip)")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
-    p.add_argument("--repeats", type=int, default=0, help="default: 11 (5 with --quick)")
+    p.add_argument("--repeats", type=int, default=0, help="default: 21 (7 with --quick)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(REPO / "results" / "bench-service.json"))
     p.add_argument("--no-plot", action="store_true")

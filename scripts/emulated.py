@@ -253,14 +253,11 @@ def hub_counters(spans: list[Span]) -> dict[str, float]:
 
 
 def per_size_counters(stats: Stats) -> dict[int, tuple[int, float]] | None:
-    """batch size -> (batches, summed service seconds) since the hub started, or None when the
-    hub's STATS do not carry per-size counters. The one place that reads those fields."""
-    sizes = getattr(stats, "batch_sizes", None)
-    counts = getattr(stats, "batch_counts", None)
-    seconds = getattr(stats, "batch_service_s", None)
-    if sizes is None or counts is None or seconds is None:
+    """batch size -> (batches, summed service seconds) since the hub started, or None from a
+    hub whose STATS do not carry the service curve."""
+    if stats.batch_sizes is None:
         return None
-    return {int(b): (int(c), float(s)) for b, c, s in zip(sizes, counts, seconds, strict=True)}
+    return {b: (count, seconds) for b, count, seconds in stats.service_totals()}
 
 
 def service_curve(spans: list[Span]) -> list[dict] | None:

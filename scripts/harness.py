@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -76,6 +77,34 @@ def start_hubs(procs: Processes, draft: str, logs: list[Path], *extra: str,
                for log, more in zip(logs, own, strict=True)]  # fmt: skip
     return [(proc, wait_for_line(log, r"hub listening on (tcp://\S+)", proc))
             for proc, log in zip(started, logs, strict=True)]  # fmt: skip
+
+
+def start_hub_set(procs: Processes, specs: dict[str, tuple[Path, list[str], set[int] | None]],
+                  bind: str = "tcp://127.0.0.1:*"
+                  ) -> dict[str, tuple[subprocess.Popen[bytes], str]]:  # fmt: skip
+    """Hubs that differ in more than one argument (name -> (log, arguments after
+    ``python -m starsd.hub --bind BIND``, CPUs)); each with its endpoint.
+
+    They load at once on every CPU (several hubs pinned to one CPU would load one after
+    another), and each is confined to its CPUs once it listens (:func:`pin`).
+    """
+    started = {name: procs.start(["-m", "starsd.hub", "--bind", bind, *args], log)
+               for name, (log, args, _) in specs.items()}  # fmt: skip
+    hubs = {name: (proc, wait_for_line(specs[name][0], r"hub listening on (tcp://\S+)", proc))
+            for name, proc in started.items()}  # fmt: skip
+    for name, (proc, _) in hubs.items():
+        cpus = specs[name][2]
+        if cpus is not None:
+            pin(proc.pid, cpus)
+    return hubs
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Confine every thread of a running process to ``cpus`` (threads it starts later inherit
+    the mask of the thread that starts them)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
 
 
 def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen[bytes],

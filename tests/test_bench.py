@@ -77,6 +77,8 @@ async def test_emulated_run_fills_the_json_contract(
     assert report["proposal_wait_ms"]["p99"] >= report["proposal_wait_ms"]["p50"] > 0
     assert 0.0 < report["emulator_cpu_fraction"] < 1.5
     assert calibration["hub_batches"] > 0 and calibration["batch_service_ms"] > 0
+    # the hub's S(B) counters: every batch of the window in exactly one size's row
+    assert sum(row["batches"] for row in report["service_curve"]) == report["hub_batches"]
     assert set(record) >= {"max_batch", "mean_batch_size", "proposal_wait_ms", "service_curve",
                            "hub_rss_peak_mb", "hub_rss_after_mb", "emulator_cpu_fraction"}
 

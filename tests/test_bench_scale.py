@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 from starsd import analytic
+from starsd.protocol import Stats, curve_arrays
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench
@@ -45,8 +44,9 @@ def test_sweep_alternates_which_hub_goes_first() -> None:
                      (2, "one-at-a-time"), (4, "one-at-a-time"), (4, "batched")]  # fmt: skip
 
 
-def _stats(sizes: list[int], counts: list[int], seconds: list[float]) -> Any:
-    return SimpleNamespace(batch_sizes=sizes, batch_counts=counts, batch_service_s=seconds)
+def _stats(sizes: list[int], counts: list[int], seconds: list[float]) -> Stats:
+    return Stats(0, 1.0, 0.5, sum(counts), sum(counts), 0, 0, 0, 0, 0, 0.0,
+                 **curve_arrays(list(zip(sizes, counts, seconds, strict=True))))  # fmt: skip
 
 
 def test_service_curve_from_per_size_counters() -> None:
@@ -59,11 +59,11 @@ def test_service_curve_from_per_size_counters() -> None:
     ]  # fmt: skip
     rows = emulated.service_curve(spans)
     assert rows == [
-        {"batch": 1, "batches": 2, "service_ms": pytest.approx(10.0)},
-        {"batch": 4, "batches": 4, "service_ms": pytest.approx(25.0)},
-        {"batch": 8, "batches": 2, "service_ms": pytest.approx(40.0)},
+        {"batch": 1, "batches": 2, "service_ms": pytest.approx(10.0, rel=1e-5)},
+        {"batch": 4, "batches": 4, "service_ms": pytest.approx(25.0, rel=1e-5)},
+        {"batch": 8, "batches": 2, "service_ms": pytest.approx(40.0, rel=1e-5)},
     ]
-    plain = SimpleNamespace(wall_s=1.0)  # today's STATS: no per-size counters
+    plain = Stats(0, 1.0, 0.5, 1, 1, 0, 0, 0, 0, 0, 0.0)  # a hub from before the curve
     assert emulated.service_curve([(plain, plain)]) is None
 
 
@@ -116,16 +116,11 @@ def test_busy_from_n_full_and_the_rss_bound() -> None:
     assert bench_scale.rss_bound(runs, 300.0)["within_bound"] is True  # freed: fine
 
 
-def test_batched_inputs_follow_the_analytic_api() -> None:
-    """None while starsd.analytic has no S(B); with it, the hub's limit and curve are set."""
+def test_batched_inputs_carry_the_limit_and_the_curve() -> None:
     inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.008, 0.001, 0.008)
     built = bench_scale.batched_inputs(inputs, 64, [(8, 0.01), (1, 0.005)])
-    if not hasattr(analytic, "ServiceCurve"):
-        assert built is None
-        return
-    assert built is not None
-    assert built.max_batch == 64  # type: ignore[attr-defined]
-    assert built.curve.at(1) == pytest.approx(0.005)  # type: ignore[attr-defined]
+    assert built is not None and built.max_batch == 64 and built.curve is not None
+    assert built.curve.at(1) == pytest.approx(0.005) and built.curve.at(8) == pytest.approx(0.01)
     assert bench_scale.batched_inputs(inputs, 64, []) is None
 
 
