@@ -50,11 +50,16 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--max-batch", type=int, default=HubConfig.max_batch,
                    help="draft jobs (sessions) drafted together in one batched forward, taken "
                         "fairly across targets; 1 drafts one session at a time")
+    p.add_argument("--predraft-branches", type=int, default=HubConfig.predraft_branches,
+                   help="while no job waits, draft ahead for this many likely verdicts per "
+                        "session whose proposal is out (draft-kind llm); 0 turns it off")
     p.add_argument("--insecure", action="store_true",
                    help="allow plain text on a non-loopback --bind (trusted networks only)")
     args = p.parse_args(argv)
     if args.max_batch < 1:
         p.error(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.predraft_branches < 0:
+        p.error(f"--predraft-branches must be >= 0, got {args.predraft_branches}")
     config = HubConfig(**vars(args))
     if (config.curve_secret is None) != (config.allow_dir is None):
         p.error("--curve-secret and --allow-dir go together")

@@ -31,10 +31,13 @@ class HubConfig:
     insecure: bool = False  # allow plain text on a non-loopback bind
     peer_budget: float = 50.0  # messages/s a peer may send besides accepted DRAFTs (0: no limit)
     max_batch: int = 64  # draft jobs drafted together in one batch (1: one at a time)
+    predraft_branches: int = 4  # verdicts pre-drafted per session while idle (0: off; llm only)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.predraft_branches < 0:
+            raise ValueError(f"predraft_branches must be >= 0, got {self.predraft_branches}")
 
     @property
     def curve(self) -> auth.CurveServerConfig | None:

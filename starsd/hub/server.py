@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq.asyncio
@@ -54,6 +55,9 @@ from starsd.protocol import (
 )
 from starsd.stats import HubStats
 
+if TYPE_CHECKING:  # built by build.py for draft-LLM hubs; this module only passes it on
+    from starsd.hub.predraft import Predrafter
+
 log = logging.getLogger("starsd.hub")
 
 _STAMPED = (Opened, Proposal, Pong, Error, Stats)  # hub replies that carry the epoch
@@ -79,7 +83,8 @@ def limits_of(config: HubConfig, welcome: Welcome, max_positions: int | None) ->
 class Hub:
     """The event loop's side of the hub; see the module docstring."""
 
-    def __init__(self, config: HubConfig, proposer: Proposer, welcome: Welcome) -> None:
+    def __init__(self, config: HubConfig, proposer: Proposer, welcome: Welcome,
+                 predrafter: Predrafter | None = None) -> None:  # fmt: skip
         self.config = config
         self.proposer = proposer
         self.welcome = welcome
@@ -92,7 +97,7 @@ class Hub:
         self.quiet = Throttle()  # log lines a peer can trigger at will: one per 10 s per kind
         self.q_in: FairQueue[DraftJob] = FairQueue()
         self.engine = DraftingEngine(proposer, self.q_in, self.table, self.lock, self.send,
-                                     self.stats, config.max_batch)  # fmt: skip
+                                     self.stats, config.max_batch, predrafter)  # fmt: skip
         self.router: router.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
         self.allow: auth.AllowList | None = None
