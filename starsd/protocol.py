@@ -249,6 +249,10 @@ class Proposal:
     Greedy: no probabilities. Truncated sampling (top-k/top-p): ``q_support`` [gamma, K] int32
     token ids with ``q_probs`` [gamma, K] float32 (zero-padded). Otherwise dense ``q_probs``
     [gamma, V] float32.
+
+    ``alone`` > 0 comes with no tokens (gamma 0: speculation does not pay for this sequence
+    now): the target decodes that many tokens itself (fewer if it stops first), then sends its
+    DRAFT with accepted 0 and those tokens appended.
     """
 
     TYPE: ClassVar[int] = 6
@@ -258,6 +262,7 @@ class Proposal:
     q_probs: np.ndarray | None = field(default=None, repr=False, metadata=_array(_FLOATS, 2))
     q_support: np.ndarray | None = field(default=None, repr=False, metadata=_array(_IDS, 2))
     epoch: bytes = b""
+    alone: int = 0  # tokens to decode alone before the next DRAFT (with no tokens only)
 
 
 @dataclass(frozen=True)

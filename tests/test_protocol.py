@@ -67,6 +67,7 @@ MESSAGES: list[protocol.Message] = [
         np.array([[0.6, 0.4], [1.0, 0.0]], dtype=np.float32),
         np.array([[1, 7], [2, 0]], dtype=np.int32),
     ),
+    Proposal(TAG, 3, np.zeros(0, dtype=np.int32), alone=16),  # gamma 0: decode 16 alone
     Close(TAG),
     Ping(7),
     Pong(7),
