@@ -20,6 +20,7 @@ class TargetStats:
     sessions: int = 0
     rounds: int = 0  # verdicts received (one per verified proposal)
     proposed: int = 0  # draft tokens in those proposals
+    alone_rounds: int = 0  # verdicts after a span the target decoded alone (gamma 0)
     accepted: int = 0  # of which the target accepted
     queue_wait_s: float = 0.0  # summed time jobs waited in Q_in before drafting started
     jobs: int = 0
@@ -27,9 +28,25 @@ class TargetStats:
     errors: int = 0
 
     def record_verdict(self, proposed: int, accepted: int) -> None:
+        """A verdict on a proposal of ``proposed`` tokens (0: the target decoded alone)."""
+        if proposed == 0:
+            self.alone_rounds += 1
+            return
         self.rounds += 1
         self.proposed += proposed
         self.accepted += accepted
+
+    @property
+    def mean_gamma(self) -> float:
+        """Mean gamma chosen per round, rounds at gamma 0 included."""
+        rounds = self.rounds + self.alone_rounds
+        return self.proposed / rounds if rounds else 0.0
+
+    @property
+    def alone_fraction(self) -> float:
+        """The fraction of rounds at gamma 0 (the target decoding alone)."""
+        rounds = self.rounds + self.alone_rounds
+        return self.alone_rounds / rounds if rounds else 0.0
 
     @property
     def mean_accepted(self) -> float:
@@ -53,6 +70,7 @@ class TargetStats:
         return (
             f"target {self.name}: sessions={self.sessions} rounds={self.rounds} "
             f"mean_accepted={self.mean_accepted:.2f} acceptance={self.acceptance_rate:.3f} "
+            f"gamma={self.mean_gamma:.2f} gamma0={self.alone_fraction:.3f} "
             f"queue_wait_ms={self.mean_queue_wait_ms:.2f} predraft_hits={self.hit_rate:.2f} "
             f"errors={self.errors}"
         )

@@ -30,7 +30,7 @@ def build_hub(config: HubConfig) -> Hub:
         vocab_size=info.vocab_size,
         tokenizer=info.tokenizer_fingerprint,
         epoch=secrets.token_bytes(protocol.EPOCH_BYTES),
-        default_gamma=config.gamma,
+        default_gamma=config.default_gamma,
         max_gamma=config.max_gamma,
         draft_kind=config.draft_kind,
         heartbeat_ms=int(1000 * config.heartbeat_s),

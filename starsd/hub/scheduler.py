@@ -64,6 +64,11 @@ class FairQueue(Generic[T]):
             self._queues.clear()
             return dropped
 
+    def backlog(self) -> bool:
+        """Whether any job is queued now (right after a take: more were waiting than it took)."""
+        with self._lock:
+            return bool(self._queues)
+
     def take(self, limit: int, block: bool = True) -> list[T] | None:
         """Up to ``limit`` jobs, one per owner in turn; None once closed and empty. Without
         ``block``, an empty list when nothing is queued."""
