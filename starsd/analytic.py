@@ -271,20 +271,21 @@ def best_gamma(expected: Sequence[float], costs: Sequence[float], outside: Seque
     the shorter gamma.
     """
     top = min(len(expected), len(costs), len(outside)) - 1
-    own = [0.0] * (top + 1)
-    for g in range(1, top + 1):
-        own[g] = expected[g] / (costs[g] + outside[g])
     alone = 1.0 / alone_s if alone_s else 0.0
-    if top < 1:
-        return 0
+    best, best_rate = 0, -1.0  # (a strictly better rate moves on: ties keep the shorter)
     if not loaded:
-        best = max(range(1, top + 1), key=lambda g: (own[g], -g))
-        return 0 if alone > own[best] else best
-    paying = [g for g in range(1, top + 1) if own[g] >= alone]
-    if not paying:
-        return 0
+        for g in range(1, top + 1):
+            rate = expected[g] / (costs[g] + outside[g])  # own(g)
+            if rate > best_rate:
+                best, best_rate = g, rate
+        return 0 if alone > best_rate else best
     share = max(batch, 1)
-    return max(paying, key=lambda g: (expected[g] * share / max(costs[g], 1e-12), -g))
+    for g in range(1, top + 1):
+        if expected[g] / (costs[g] + outside[g]) >= alone:  # it pays for the session
+            rate = expected[g] * share / max(costs[g], 1e-12)  # tokens per hub second
+            if rate > best_rate:
+                best, best_rate = g, rate
+    return best
 
 
 def at_gamma(inputs: ModelInputs, gamma: int) -> ModelInputs:

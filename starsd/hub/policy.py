@@ -96,16 +96,15 @@ class AcceptanceEstimate:
         if proposed < 1 or not 0 <= accepted <= proposed:
             raise ValueError(f"bad verdict: {accepted} accepted of {proposed}")
         f = self.forget
-        hits, seen = self.hits, self.seen
-        for i in range(self.max_gamma):
-            hits[i] *= f
-            seen[i] *= f
+        hits = [h * f for h in self.hits]
+        seen = [n * f for n in self.seen]
         reached = min(proposed, accepted + 1, self.max_gamma)  # positions 1..reached observed
+        kept = min(accepted, self.max_gamma)
         for i in range(reached):
             seen[i] += 1.0
-        kept = min(accepted, self.max_gamma)
         for i in range(kept):
             hits[i] += 1.0
+        self.hits, self.seen = hits, seen
         self.total_hits = self.total_hits * f + kept
         self.total_seen = self.total_seen * f + reached
         self.rounds += 1
@@ -123,9 +122,11 @@ class AcceptanceEstimate:
     def expected_tokens(self) -> list[float]:
         """E[L(g)] for g = 0..G (E[L(0)] = 1: the target's own token)."""
         if self._expected is None:
+            pooled, w = self.pooled(), self.weight
+            prior = w * pooled
             out, run, total = [1.0], 1.0, 1.0
-            for alpha in self.alphas():
-                run *= alpha
+            for h, n in zip(self.hits, self.seen, strict=True):
+                run *= (h + prior) / (n + w)  # alpha_i
                 total += run
                 out.append(total)
             self._expected = out
