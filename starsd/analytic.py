@@ -4,6 +4,7 @@
         --link-ms 0.3 --target-step-ms 3.5 --n 1 2 4 8 16 [--plot curves.png]
     python -m starsd.analytic --max-batch 64 --curve 1:4.3,8:4.7,32:6.5 --n 64 256 1024
     python -m starsd.analytic --from results/bench.json [--plot curves.png]
+    python -m starsd.analytic --gamma auto --alpha 0.7 ... --n 1 8 64    # the gamma auto picks
 
 Terms (times per round of one target):
   E[L]   expected tokens a round commits: (1 - alpha^(gamma+1)) / (1 - alpha) for i.i.d.
