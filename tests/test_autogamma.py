@@ -259,7 +259,10 @@ async def test_open_with_a_gamma_keeps_it_and_open_0_gets_the_policy(
     which would switch an auto session off), an auto session that never switches off when
     nothing is accepted, an empty proposal without ``alone``, a held verdict not merged back
     (the hub's tokens would miss the span), and a stats line without the choice."""
-    async with serving(_config(llama_pair[1])) as hub:
+    # The default policy but for short spans alone: 20 rounds of doubling spans from 16 would
+    # fill the tiny draft's 256 positions (CONTEXT_FULL, rightly).
+    short_spans = GammaPolicy(PolicyParams(alone_tokens=4, max_alone=8))
+    async with serving(_config(llama_pair[1]), short_spans) as hub:
         fixed, auto = RawTarget(hub.endpoint), RawTarget(hub.endpoint)
         try:
             assert (await fixed.hello(llama_target)).default_gamma == 4
