@@ -320,3 +320,80 @@ def test_gamma_outside_its_range_or_not_auto_is_refused_at_start(
     for bad in (17, -1, "fast", True):
         with pytest.raises(ValueError):
             hub_module.HubConfig(model="m", gamma=bad)  # type: ignore[arg-type]
+
+
+def _paced_side(draft: models.LoadedModel, gammas: list[int], predrafting: bool) -> tuple:
+    """(session, paced proposer, paced pre-drafter or None) of one auto session whose policy
+    says ``gammas`` in turn (spans alone of one token), over a draft LLM proposer."""
+    from starsd.hub.drafters.llm import LlmProposer
+    from starsd.hub.pacing import PacedPredrafter
+    from starsd.hub.predraft import Predrafter
+
+    limits = Limits(max_sessions=4, max_sessions_per_target=4, default_gamma=4, max_gamma=8,
+                    lease_s=3.0, vocab_size=draft.vocab_size, max_positions=draft.max_positions,
+                    auto_gamma=True)  # fmt: skip
+    table, lock, inner = SessionTable(limits), threading.Lock(), LlmProposer(draft)
+    peer = table.welcome(b"p", b"p", "p")
+    assert peer is not None
+    session = table.open(peer, Open(1, PROMPT, SamplingParams(), 0), inner.new_state)
+    policy = Scripted(list(gammas))
+    policy.params = PolicyParams(max_gamma=8, alone_tokens=1, max_alone=1)
+    paced = PacedProposer(inner, table, lock, policy)
+    pre = PacedPredrafter(Predrafter(inner, branches=4), paced) if predrafting else None
+    return session, paced, pre
+
+
+def test_pre_drafting_follows_the_policy_and_never_answers_a_held_verdict(
+    llama_pair: tuple[Path, Path],
+) -> None:
+    """Catches pre-drafting and --gamma auto stepping on each other, with the engine's calls
+    made by hand (answer each job, propose the rest, offer what went out, idle steps): a branch
+    answering a round the policy gave another gamma (or gamma 0), a session offered while its
+    verdict is held (a 1-token span would then match a branch of the old proposal and commit
+    the wrong verdict), and a hit the policy does not learn from. The same session drafted
+    without a pre-drafter must get the same proposal every round."""
+    gammas = [3, 3, 2, 0, 2, 2, 2]  # drafted, hit, miss (new gamma), alone, probe, hit, hit
+    draft = models.load_causal_lm(llama_pair[1])
+    sides = [_paced_side(draft, gammas, predrafting) for predrafting in (True, False)]
+
+    def answer(side: tuple, job: DraftJob) -> tuple[Proposal, bool]:
+        _, paced, pre = side
+        hit = pre.answer(job) if pre is not None else None
+        reply = hit if hit is not None else paced.propose([job])[0]
+        assert isinstance(reply, Proposal), reply
+        if pre is not None:
+            pre.offer(job.tag, job.state)
+            while pre.has_work():
+                pre.step()
+        return reply, hit is not None
+
+    def branch_keys() -> list[tuple[int, int]]:
+        session, _, pre = sides[0]
+        waiting = pre.inner.waiting.get(session.tag)
+        return sorted(waiting.branches) if waiting is not None else []
+
+    verdict: tuple[int, tuple[int, ...]] = (0, ())
+    hits, seen_alone = [], False
+    for seq in range(len(gammas)):
+        held_keys = branch_keys()  # the branches of the proposal this verdict answers
+        replies = []
+        for side in sides:
+            job = DraftJob(side[0].tag, seq, side[0].state, *verdict)
+            replies.append(answer(side, job))
+        (a, hit), (b, _) = replies
+        assert a.tokens.tolist() == b.tokens.tolist() and a.alone == b.alone, seq
+        hits.append(hit)
+        if hit:  # the policy saw the round go out (and learns from the next verdict)
+            pacing = sides[0][0].pacing
+            assert pacing.decision is None and pacing.last_gamma == len(a.tokens)
+        if a.alone:  # the span: a token a branch of the held proposal was drafted for
+            assert sides[0][0].tag not in sides[0][2].inner.waiting  # not even its probe
+            seen_alone = True
+            verdict = (0, (next(c for k, c in held_keys if k == 0),))
+        else:  # a verdict a branch was drafted for
+            k, c = branch_keys()[-1]
+            verdict = (min(k, len(a.tokens)), (c,))
+    assert seen_alone and hits == [False, True, False, False, False, True, True]
+    assert sides[0][0].state.tokens == sides[1][0].state.tokens
+    pacing = sides[0][0].pacing
+    assert pacing is not None and pacing.last_gamma == 2 and pacing.pending is None

@@ -16,6 +16,11 @@ the engine hands it, on the drafting thread and just before drafting, it
    (and, for EAGLE, their feature rows), so proposers never see a gamma of 0;
 4. drafts the rest with the real proposer and records the batch's S(B, longest g).
 
+With pre-drafting (draft LLM hubs), :class:`PacedPredrafter` stands in for the engine's
+pre-drafter: the engine asks it about each job first, so steps 1-3 happen there (the decision is
+kept on the session's pacing for ``propose``), and a pre-drafted branch answers a job only when
+the round's gamma is the branch's own, never at gamma 0 or with a verdict held.
+
 Nothing here changes what is proposed for a given gamma, nor the verdict a proposer applies, so
 losslessness is the proposers' and the target's as before.
 """
@@ -61,6 +66,7 @@ class PacedProposer:
         self.clock = clock  # the clock DraftJob.enqueued_at is read on
         self.service = ServiceModel()
         self.load = LoadMeter(policy.params.loaded_busy)
+        self.batch = 1  # the last batch's size
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> Any:
         return self.inner.new_state(prompt, params, gamma)
@@ -71,28 +77,29 @@ class PacedProposer:
         return getattr(self.inner, name)
 
     def propose(self, jobs: list[DraftJob]) -> list[Proposal | Error]:
-        """Choose each job's gamma, answer gamma 0 at once, draft the rest; in order."""
+        """Choose each job's gamma (unless its pre-drafter call did), answer gamma 0 at once,
+        draft the rest; in order."""
         started = self.clock()
         loaded = self.load.start(started, self.backlog())
+        self.batch = len(jobs)
         pacings = self._pacings(jobs)
-        costs = self.service.costs(len(jobs), self.policy.params.max_gamma)
-        load = None if costs is None else Load(len(jobs), loaded, costs)
+        load = self._load(len(jobs), loaded)
         results: dict[int, Proposal | Error] = {}
         drafted: list[tuple[int, DraftJob]] = []
         for i, (job, pacing) in enumerate(zip(jobs, pacings, strict=True)):
             if pacing is None:  # closed meanwhile: drafted as before, its result goes nowhere
                 drafted.append((i, job))
                 continue
-            self._learn(job, pacing, started)
-            # (after a span alone its verdict is held: this round is the probe)
-            gamma = self.policy.next_round(pacing, load, probe=pacing.pending is not None)
-            span = self._span(job, pacing) if gamma == 0 else 0
+            decided = pacing.decision
+            pacing.decision = None
+            gamma, span = (decided[1:] if decided is not None and decided[0] == job.seq
+                           else self.decide(job, pacing, load, started))  # fmt: skip
             if span:
                 if pacing.pending is None:
                     pacing.pending = _pending(job)
                 results[i] = Proposal(job.tag, job.seq, _NO_TOKENS, alone=span)
             else:
-                job.state.gamma = max(gamma, 1)
+                job.state.gamma = gamma
                 drafted.append((i, _with_pending(pacing, job)))
         if drafted:
             self._draft(drafted, results)
@@ -101,9 +108,39 @@ class PacedProposer:
         for i, pacing in enumerate(pacings):
             if pacing is not None:
                 result = results[i]
-                pacing.sent_at = sent
-                pacing.last_gamma = len(result.tokens) if isinstance(result, Proposal) else -1
+                self.sent(pacing, len(result.tokens) if isinstance(result, Proposal) else -1, sent)
         return [results[i] for i in range(len(jobs))]
+
+    def decide(self, job: DraftJob, pacing: SessionPacing, load: Load | None,
+               now: float) -> tuple[int, int]:  # fmt: skip
+        """Learn from ``job``, then this round's (gamma to draft, span alone): exactly one of
+        them is 0. Kept on ``pacing.decision`` until the job is answered."""
+        self._learn(job, pacing, now)
+        # (after a span alone its verdict is held: this round is the probe)
+        gamma = self.policy.next_round(pacing, load, probe=pacing.pending is not None)
+        span = self._span(job, pacing) if gamma == 0 else 0
+        decision = (0, span) if span else (max(gamma, 1), 0)
+        pacing.decision = (job.seq, *decision)
+        return decision
+
+    def sent(self, pacing: SessionPacing, proposed: int, now: float) -> None:
+        """A proposal of ``proposed`` tokens (0: a span alone, -1: an error) left at ``now``."""
+        pacing.sent_at = now
+        pacing.last_gamma = proposed
+        pacing.decision = None
+
+    def pacing_of(self, job: DraftJob) -> SessionPacing | None:
+        """The session pacing of one job (see _pacings)."""
+        return self._pacings([job])[0]
+
+    def current_load(self) -> Load | None:
+        """The load for a decision made before the batch reaches :meth:`propose` (by the
+        pre-drafter): B is the last batch's size, the regime as of the last batch."""
+        return self._load(self.batch, self.load.loaded(self.backlog()))
+
+    def _load(self, batch: int, loaded: bool) -> Load | None:
+        costs = self.service.costs(batch, self.policy.params.max_gamma)
+        return None if costs is None else Load(batch, loaded, costs)
 
     def _pacings(self, jobs: list[DraftJob]) -> list[SessionPacing | None]:
         """Each job's session pacing, created on its first job (one lock hold per batch);
@@ -167,6 +204,52 @@ class PacedProposer:
         self.service.observe(len(drafted), longest, seconds)
         for (i, _), result in zip(drafted, out, strict=True):
             results[i] = result
+
+
+class PacedPredrafter:
+    """The engine's pre-drafter (:class:`starsd.hub.predraft.Predrafter`) behind the policy.
+
+    The engine asks it to answer each job from a pre-drafted branch before anything is drafted,
+    so the policy decides the round here first (:meth:`PacedProposer.decide`; ``propose`` then
+    uses that decision). A branch answers only a round that drafts the branch's own gamma: the
+    pre-drafter matches against ``state.gamma``, which the decision sets (0 for a span alone,
+    which no branch has). A session whose verdict is held since a span alone is neither answered
+    nor offered: its ``state.proposed`` is not the proposal its target is answering. Anything
+    else is the pre-drafter's own. Drafting thread only, like the pre-drafter.
+    """
+
+    def __init__(self, inner: Any, paced: PacedProposer) -> None:
+        self.inner = inner
+        self.paced = paced
+
+    def __getattr__(self, name: str) -> Any:  # has_work, step, stats, ...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def answer(self, job: DraftJob) -> Proposal | None:
+        """The proposal for ``job`` from a branch at the gamma chosen now, or None."""
+        paced = self.paced
+        pacing = paced.pacing_of(job)
+        if pacing is None:
+            return self.inner.answer(job)  # type: ignore[no-any-return]
+        gamma, _ = paced.decide(job, pacing, paced.current_load(), paced.clock())
+        if pacing.pending is not None:
+            return None
+        job.state.gamma = gamma
+        hit: Proposal | None = self.inner.answer(job)
+        if hit is not None:
+            paced.sent(pacing, len(hit.tokens), paced.clock())
+        return hit
+
+    def offer(self, tag: bytes, state: Any) -> None:
+        """Pre-draft the session's likely verdicts, unless its proposal out is a span alone."""
+        with self.paced.lock:
+            session = self.paced.table.sessions.get(tag)
+            held = session is not None and session.pacing is not None and (
+                session.pacing.pending is not None)  # fmt: skip
+        if not held:
+            self.inner.offer(tag, state)
 
 
 def _pending(job: DraftJob) -> Pending:

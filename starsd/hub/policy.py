@@ -179,6 +179,7 @@ class ServiceModel:
         self.forget, self.ridge = forget, ridge
         self.fits: dict[int, LinearFit] = {}
         self._sizes: list[int] = []  # sorted keys of fits
+        self._memo: dict[tuple[int, int], list[float]] = {}  # costs() since the last observe
 
     def observe(self, batch: int, gamma: int, seconds: float) -> None:
         """A batch of ``batch`` jobs, the longest with ``gamma`` tokens, took ``seconds``."""
@@ -189,6 +190,7 @@ class ServiceModel:
             fit = self.fits[batch] = LinearFit(self.forget, self.ridge)
             self._sizes = sorted(self.fits)
         fit.observe(gamma - 1, seconds)
+        self._memo.clear()
 
     def _ab(self, batch: int) -> tuple[float, float]:
         fit = self.fits[batch]
@@ -200,6 +202,13 @@ class ServiceModel:
         sizes = self._sizes
         if not sizes:
             return None
+        memo = self._memo.get((batch, max_gamma))
+        if memo is None:
+            memo = self._memo[(batch, max_gamma)] = self._costs(batch, max_gamma)
+        return memo
+
+    def _costs(self, batch: int, max_gamma: int) -> list[float]:
+        sizes = self._sizes
         if batch in self.fits or len(sizes) == 1 or batch <= sizes[0]:
             a, b = self._ab(batch if batch in self.fits else sizes[0])
         else:
@@ -230,6 +239,10 @@ class LoadMeter:
         """A batch starts at ``now``; returns whether the hub is fully loaded."""
         if self.ended is not None:
             self.idle += self.smoothing * (max(now - self.ended, 0.0) - self.idle)
+        return self.loaded(backlog)
+
+    def loaded(self, backlog: bool) -> bool:
+        """Whether the hub counts as fully loaded now, as of the last batch."""
         return backlog or self.busy_fraction() >= self.threshold
 
     def finish(self, now: float, seconds: float) -> None:
@@ -278,6 +291,7 @@ class SessionPacing:
     alone_span: int = 16  # tokens of the next span alone
     chosen: int = 0  # the last gamma chosen
     probing: bool = False  # the proposal in flight is the probe after a span alone
+    decision: tuple[int, int, int] | None = None  # (seq, gamma, span) decided, not yet sent
 
     def step_alone(self) -> float | None:
         """T_alone: measured, else R(1) (see the module docstring), None while unknown."""

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import zmq.asyncio
@@ -34,7 +34,7 @@ from starsd.hub.budget import PeerBudget, Rates
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.engine import DraftingEngine
-from starsd.hub.pacing import PacedProposer
+from starsd.hub.pacing import PacedPredrafter, PacedProposer
 from starsd.hub.policy import GammaPolicy, PolicyParams
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import Limits, Peer, Refused, Session, SessionTable
@@ -108,6 +108,8 @@ class Hub:
         self.quiet = Throttle()  # log lines a peer can trigger at will: one per 10 s per kind
         self.q_in: FairQueue[DraftJob] = FairQueue()
         self.pacing = paced(config, proposer, self.table, self.lock, self.q_in)
+        if predrafter is not None:  # (a stand-in with the pre-drafter's interface)
+            predrafter = cast("Predrafter", PacedPredrafter(predrafter, self.pacing))
         self.engine = DraftingEngine(self.pacing, self.q_in, self.table, self.lock, self.send,
                                      self.stats, config.max_batch, predrafter)  # fmt: skip
         self.router: router.Router | None = None  # set while serving
