@@ -5,6 +5,7 @@
     python -m starsd.analytic --max-batch 64 --curve 1:4.3,8:4.7,32:6.5 --n 64 256 1024
     python -m starsd.analytic --from results/bench.json [--plot curves.png]
     python -m starsd.analytic --gamma auto --alpha 0.7 ... --n 1 8 64    # the gamma auto picks
+    python -m starsd.analytic --hit-rate 0.4 ...      # pre-drafting answers 40% while idle
 
 Terms (times per round of one target):
   E[L]   expected tokens a round commits: (1 - alpha^(gamma+1)) / (1 - alpha) for i.i.d.
@@ -136,8 +137,11 @@ class ModelInputs:
     target_step_s: float  # T_ar: the target's standalone decode step
     max_batch: int = 1  # M: the most jobs the hub drafts in one batch
     curve: ServiceCurve | None = None  # S(B); None: one-at-a-time
+    hit_rate: float = 0.0  # h: share of jobs answered from a pre-drafted branch when idle
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.hit_rate <= 1.0:
+            raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_batch > 1 and self.curve is None:
@@ -207,12 +211,22 @@ def _busy(inputs: ModelInputs, n_targets: int) -> tuple[float, int, int]:
 
 
 def _idle(inputs: ModelInputs, n_targets: int) -> tuple[float, float, int, int]:
-    """(T_idle, T_busy, k, B_1) for ``n_targets``."""
+    """(T_idle, T_busy, k, B_1) for ``n_targets``; T_busy counts drafting on the critical path.
+
+    Pre-drafting (hit rate h) works only in idle time: when the hub idles without it, a share
+    h of the jobs is answered from branches drafted meanwhile, so a round takes
+    (1 - h) S(B_1) + R and the hub's critical-path work shrinks by (1 - h); fully loaded, there
+    is no idle time to pre-draft in, and h changes nothing.
+    """
     if n_targets < 1:
         raise ValueError(f"n_targets must be >= 1, got {n_targets}")
     busy, k, first = _busy(inputs, n_targets)
     cycle = service_s(inputs, first) + round_trip_outside_hub(inputs)  # S(B_1) + R
-    return max(0.0, cycle - busy), busy, k, first
+    if busy >= cycle or inputs.hit_rate == 0.0:
+        return max(0.0, cycle - busy), busy, k, first
+    miss = 1.0 - inputs.hit_rate
+    cycle = miss * service_s(inputs, first) + round_trip_outside_hub(inputs)
+    return max(0.0, cycle - miss * busy), miss * busy, k, first
 
 
 def predict(inputs: ModelInputs, n_targets: int) -> Prediction:
@@ -486,6 +500,8 @@ def parse_cli(
     p.add_argument("--target-step-ms", type=float, default=4.0)
     p.add_argument("--max-batch", type=int, help="M (default: the curve's largest B, else 1)")
     p.add_argument("--curve", help="S(B) as B:ms pairs, e.g. 1:4.3,8:4.7,32:6.5")
+    p.add_argument("--hit-rate", type=float, default=0.0,
+                   help="share of jobs answered from pre-drafted branches while the hub idles")
     p.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--plot", help="write the curves to this PNG")
     a = p.parse_args(argv)
@@ -495,6 +511,7 @@ def parse_cli(
         if a.gamma < 1 or a.max_gamma < 1:
             raise ValueError("--gamma and --max-gamma must be >= 1 (or --gamma auto)")
         inputs = _with_batching(_base_inputs(a), a.curve, a.max_batch)
+        inputs = dataclasses.replace(inputs, hit_rate=a.hit_rate)
     except ValueError as exc:
         p.error(str(exc))
     return inputs, a.n, a.plot, a.max_gamma if auto else None

@@ -262,3 +262,20 @@ def test_cli_gamma_auto_prints_the_chosen_gamma(capsys: pytest.CaptureFixture[st
     assert "auto gamma (0..16" in out and "| 8 | 0 | alone | 2000.0 |" in out
     with pytest.raises(SystemExit):
         analytic.main(["--gamma", "often"])
+
+
+def test_pre_drafting_shortens_idle_rounds_and_changes_nothing_fully_loaded() -> None:
+    """Catches a hit rate applied where the hub has no idle time to pre-draft in (a fully loaded
+    hub would be predicted faster than its drafting allows), or not applied at all."""
+    base = ModelInputs(0.7, 4, 0.010, 0.020, 0.001, 0.010)  # S = 10 ms, R = 21 ms
+    hits = dataclasses.replace(base, hit_rate=0.5)
+    one = analytic.predict(hits, 1)
+    assert one.regime == "under-loaded"
+    assert math.isclose(one.iteration_s, 0.5 * 0.010 + 0.021)  # (1 - h) S + R
+    ratio = one.per_target_tokens_per_s / analytic.predict(base, 1).per_target_tokens_per_s
+    assert math.isclose(ratio, 0.031 / 0.026)
+    full = analytic.saturation_point(base)
+    assert analytic.predict(hits, full) == analytic.predict(base, full)
+    assert analytic.predict(hits, 40) == analytic.predict(base, 40)
+    with pytest.raises(ValueError):
+        dataclasses.replace(base, hit_rate=1.5)
