@@ -5,11 +5,13 @@ is soft. Each round it waits at most ``deadline_s`` for the proposal it asked fo
 decodes one token alone (a standalone step) and keeps doing so, without waiting, until the
 proposal arrives. A proposal that arrives after such steps is not verified (it drafts from an
 older prefix); the next DRAFT instead carries the tokens committed meanwhile (accepted = 0) so the
-hub catches up. A session silent for ``resync_s``, refused (UNKNOWN_SESSION, FORBIDDEN, ...) or
-from an older hub generation (the hub restarted) is dropped and re-opened from the committed
-tokens. Proposals and errors are matched on (tag, seq): duplicates and stale ones are ignored, so
-nothing is applied twice. Greedy output therefore equals the target alone token for token, and
-sampled output keeps the target's distribution, whatever the hub does.
+hub catches up. A proposal with no tokens and ``alone`` = K (the hub found that speculation does
+not pay for this sequence now) is answered the same way after K tokens decoded alone. A session
+silent for ``resync_s``, refused (UNKNOWN_SESSION, FORBIDDEN, ...) or from an older hub
+generation (the hub restarted) is dropped and re-opened from the committed tokens. Proposals
+and errors are matched on (tag, seq): duplicates and stale ones are ignored, so nothing is
+applied twice. Greedy output therefore equals the target alone token for token, and sampled
+output keeps the target's distribution, whatever the hub does.
 """
 
 from __future__ import annotations
@@ -89,9 +91,21 @@ async def generate_speculative(
 
 
 async def standalone_step(seq: TargetSequence, pool: ThreadPoolExecutor) -> None:
-    """One token from the target alone, off the event loop."""
+    """One token from the target alone, off the event loop (the hub is late or gone)."""
     await asyncio.get_running_loop().run_in_executor(pool, seq.step)
     seq.stats.standalone_steps += 1
+
+
+async def decode_alone(seq: TargetSequence, tokens: int, pool: ThreadPoolExecutor) -> None:
+    """Up to ``tokens`` tokens from the target alone, as the hub asked (a proposal with
+    ``alone``); stops where the target alone stops (EOS, max_new_tokens). One executor call per
+    token, so this sequence's span does not hold up the others' verifications."""
+    loop = asyncio.get_running_loop()
+    for _ in range(tokens):
+        if seq.done:
+            return
+        await loop.run_in_executor(pool, seq.step)
+        seq.stats.alone_steps += 1
 
 
 async def _open(
@@ -167,17 +181,22 @@ async def _answer(
     client: HubClient, seq: TargetSequence, session: HubSession, proposal: Proposal,
     pool: ThreadPoolExecutor,
 ) -> bool:  # fmt: skip
-    """Verify the proposal (or, if we decoded alone meanwhile, just catch the hub up).
+    """Verify the proposal, or decode the ``alone`` tokens it asks for (or, if we decoded alone
+    meanwhile, just catch the hub up).
 
     Returns False when the session should be re-opened instead (too far behind for one DRAFT).
     """
-    accepted, appended = 0, list[int]()
+    accepted = 0
     if session.synced == seq.committed:
-        drafts, q = usable_draft(seq, proposal)
-        loop = asyncio.get_running_loop()
-        accepted, appended = await loop.run_in_executor(pool, seq.verify, drafts, q)
-    else:  # the tokens decoded alone since the hub last heard from us
-        appended = seq.generated[session.synced - len(seq.prompt) :]
+        if len(proposal.tokens) or proposal.alone <= 0:
+            drafts, q = usable_draft(seq, proposal)
+            loop = asyncio.get_running_loop()
+            accepted, _ = await loop.run_in_executor(pool, seq.verify, drafts, q)
+        else:  # gamma 0: speculation does not pay now; the hub hears from us after the span
+            await decode_alone(seq, min(proposal.alone, protocol.MAX_APPENDED - 1), pool)
+    # Everything committed since the hub last heard from us, but the drafts it proposed: the
+    # verify's own token, the tokens decoded alone (asked for, or past the deadline).
+    appended = seq.generated[session.synced - len(seq.prompt) + accepted :]
     synced, session.synced = session.synced, seq.committed
     session.expected += 1
     session.asked_at = time.monotonic()

@@ -7,9 +7,10 @@
 JSONL in: {"id": ..., "prompt": "...", "max_new_tokens": 32} (optional per line: "temperature",
 "top_k", "top_p", "seed" override the command line; valid ranges: protocol.SamplingParams); out:
 {"id", "prompt", "text", "token_ids" (generated ids only), "stats": {"rounds", "accepted",
-"mean_accepted", "standalone_steps", "tokens_per_s", "latency_ms"}}. Each sequence verifies
-the hub's proposals in one target forward per round; its output is exactly what the target alone
-would produce (greedy: token for token).
+"mean_accepted", "standalone_steps", "alone_steps", "tokens_per_s", "latency_ms"}}. Each
+sequence verifies the hub's proposals in one target forward per round, or decodes the span the hub
+asks it to decode alone; its output is exactly what the target alone would produce (greedy: token
+for token).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class TargetConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    gamma: int = 0  # 0 = the hub's default
+    gamma: int = 0  # 0 = the hub's choice (per round under its --gamma auto)
     concurrency: int = 1
     standalone: bool = False
     device: str = "cpu"
@@ -261,7 +262,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--top-k", type=int, default=TargetConfig.top_k)
     p.add_argument("--top-p", type=float, default=TargetConfig.top_p)
     p.add_argument("--seed", type=int, default=TargetConfig.seed)
-    p.add_argument("--gamma", type=int, default=TargetConfig.gamma, help="0: hub's default")
+    p.add_argument("--gamma", type=int, default=TargetConfig.gamma,
+                   help="0: the hub's choice (per round under --gamma auto); N: always N")
     p.add_argument("--concurrency", type=int, default=TargetConfig.concurrency)
     p.add_argument("--standalone", action="store_true", help="no hub: the baseline")
     p.add_argument("--device", default=TargetConfig.device)

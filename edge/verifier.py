@@ -28,6 +28,7 @@ class SequenceStats:
     proposed: int = 0
     target_forwards: int = 0
     standalone_steps: int = 0  # tokens decoded without the hub (fallback)
+    alone_steps: int = 0  # tokens decoded alone because the hub asked (gamma 0)
     started: float = field(default_factory=time.perf_counter)
     finished: float = 0.0
     last_commit: float = field(default_factory=time.perf_counter)
@@ -46,6 +47,7 @@ class SequenceStats:
             "accepted": self.accepted,
             "mean_accepted": round(self.accepted / self.rounds, 4) if self.rounds else 0.0,
             "standalone_steps": self.standalone_steps,
+            "alone_steps": self.alone_steps,
             "tokens_per_s": round(generated / wall, 3),
             "latency_ms": {k: round(v, 4) for k, v in latency.items()},
         }

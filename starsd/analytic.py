@@ -4,6 +4,8 @@
         --link-ms 0.3 --target-step-ms 3.5 --n 1 2 4 8 16 [--plot curves.png]
     python -m starsd.analytic --max-batch 64 --curve 1:4.3,8:4.7,32:6.5 --n 64 256 1024
     python -m starsd.analytic --from results/bench.json [--plot curves.png]
+    python -m starsd.analytic --gamma auto --alpha 0.7 ... --n 1 8 64    # the gamma auto picks
+    python -m starsd.analytic --hit-rate 0.4 ...      # pre-drafting answers 40% while idle
 
 Terms (times per round of one target):
   E[L]   expected tokens a round commits: (1 - alpha^(gamma+1)) / (1 - alpha) for i.i.d.
@@ -33,6 +35,16 @@ T_gamma > E[L] * T_ar (break-even N).
 
 M = 1 is the one-at-a-time hub: k = N, T_busy = N * S(1), T_idle = max(0, S(1) + R - N * S(1)),
 N_full = ceil((S(1) + R) / S(1)) and the fully loaded ceiling is E[L] / S(1).
+
+Auto gamma (``--gamma auto``, the hub's default): the hub picks each round's gamma in 0..G by
+:func:`best_gamma`, the rule :mod:`starsd.hub.policy` applies per session. Here every target is
+alike, so :func:`auto_gamma` runs the rule against the model itself: at the current gamma g it
+predicts the regime, the queue wait W and the largest batch B_1, asks the rule for the best g'
+given S(B_1, g') (the curve, measured at the inputs' gamma, scaled by (1 + g' - 1) / gamma: one
+feed and g' - 1 decode steps, each costing as much as the feed), R (constant in g) and
+T_alone = T_ar, and repeats until g' = g (where the hub settles), or, should the rule cycle (0,
+then speculation once the hub idles), takes the cycle's best. gamma 0 is the target alone:
+N / T_ar, the hub idle.
 """
 
 from __future__ import annotations
@@ -125,8 +137,11 @@ class ModelInputs:
     target_step_s: float  # T_ar: the target's standalone decode step
     max_batch: int = 1  # M: the most jobs the hub drafts in one batch
     curve: ServiceCurve | None = None  # S(B); None: one-at-a-time
+    hit_rate: float = 0.0  # h: share of jobs answered from a pre-drafted branch when idle
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.hit_rate <= 1.0:
+            raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_batch > 1 and self.curve is None:
@@ -196,12 +211,22 @@ def _busy(inputs: ModelInputs, n_targets: int) -> tuple[float, int, int]:
 
 
 def _idle(inputs: ModelInputs, n_targets: int) -> tuple[float, float, int, int]:
-    """(T_idle, T_busy, k, B_1) for ``n_targets``."""
+    """(T_idle, T_busy, k, B_1) for ``n_targets``; T_busy counts drafting on the critical path.
+
+    Pre-drafting (hit rate h) works only in idle time: when the hub idles without it, a share
+    h of the jobs is answered from branches drafted meanwhile, so a round takes
+    (1 - h) S(B_1) + R and the hub's critical-path work shrinks by (1 - h); fully loaded, there
+    is no idle time to pre-draft in, and h changes nothing.
+    """
     if n_targets < 1:
         raise ValueError(f"n_targets must be >= 1, got {n_targets}")
     busy, k, first = _busy(inputs, n_targets)
     cycle = service_s(inputs, first) + round_trip_outside_hub(inputs)  # S(B_1) + R
-    return max(0.0, cycle - busy), busy, k, first
+    if busy >= cycle or inputs.hit_rate == 0.0:
+        return max(0.0, cycle - busy), busy, k, first
+    miss = 1.0 - inputs.hit_rate
+    cycle = miss * service_s(inputs, first) + round_trip_outside_hub(inputs)
+    return max(0.0, cycle - miss * busy), miss * busy, k, first
 
 
 def predict(inputs: ModelInputs, n_targets: int) -> Prediction:
@@ -243,6 +268,100 @@ def break_even_targets(inputs: ModelInputs) -> int:
         if busy + idle > budget:
             return n - 1
     return MAX_TARGETS
+
+
+# ---------------------------------------------------------------------------------- auto gamma
+
+
+def best_gamma(expected: Sequence[float], costs: Sequence[float], outside: Sequence[float],
+               alone_s: float | None, batch: int, loaded: bool) -> int:  # fmt: skip
+    """The gamma in 0..G that a session should draft next; the rule of ``--gamma auto``.
+
+    ``expected[g]`` is E[L(g)], ``costs[g]`` S(B, g) of the batch being formed, ``outside[g]``
+    the rest of the session's cycle at g (queue wait + R(g)), ``alone_s`` T_alone (None: never
+    alone), ``batch`` B; index 0 of the lists is unused. The session's own rate is
+    own(g) = E[L(g)] / (S(B, g) + outside[g]), alone 1 / T_alone. Under-loaded: argmax own over
+    0..G. Fully loaded: among g >= 1 with own(g) >= 1 / T_alone, argmax E[L(g)] / (S(B, g) / B),
+    its tokens per second of hub time (its share of the batch); 0 if there is none. Ties go to
+    the shorter gamma.
+    """
+    top = min(len(expected), len(costs), len(outside)) - 1
+    alone = 1.0 / alone_s if alone_s else 0.0
+    best, best_rate = 0, -1.0  # (a strictly better rate moves on: ties keep the shorter)
+    if not loaded:
+        for g in range(1, top + 1):
+            rate = expected[g] / (costs[g] + outside[g])  # own(g)
+            if rate > best_rate:
+                best, best_rate = g, rate
+        return 0 if alone > best_rate else best
+    share = max(batch, 1)
+    for g in range(1, top + 1):
+        if expected[g] / (costs[g] + outside[g]) >= alone:  # it pays for the session
+            rate = expected[g] * share / max(costs[g], 1e-12)  # tokens per hub second
+            if rate > best_rate:
+                best, best_rate = g, rate
+    return best
+
+
+def at_gamma(inputs: ModelInputs, gamma: int) -> ModelInputs:
+    """The inputs with proposals of ``gamma`` tokens (>= 1): S scaled from the inputs' gamma
+    as one feed plus gamma - 1 decode steps of equal cost; R kept (see the module docstring)."""
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1 here, got {gamma}")
+    factor = gamma / inputs.gamma
+    curve = inputs.curve
+    if curve is not None:
+        curve = ServiceCurve(tuple((b, s * factor) for b, s in curve.points))
+    return dataclasses.replace(inputs, gamma=gamma, draft_s=inputs.draft_s * factor, curve=curve)
+
+
+def predict_at(inputs: ModelInputs, n_targets: int, gamma: int) -> Prediction:
+    """:func:`predict` with proposals of ``gamma`` tokens; gamma 0: every target alone."""
+    if gamma == 0:
+        step = inputs.target_step_s
+        return Prediction(n_targets, "alone", step, step, n_targets / step, 1.0 / step, 0.0, 0, 0)
+    return predict(at_gamma(inputs, gamma), n_targets)
+
+
+def auto_gamma(inputs: ModelInputs, n_targets: int, max_gamma: int = 16) -> tuple[int, Prediction]:
+    """The gamma ``--gamma auto`` settles at for ``n_targets`` alike targets, and its
+    prediction (see the module docstring)."""
+    expected = [expected_tokens_per_round(inputs.alpha, g) for g in range(max_gamma + 1)]
+    first = batch_sizes(n_targets, inputs.max_batch)[0]  # B_1 of a speculating round
+    r = round_trip_outside_hub(inputs)
+    gamma, visited = min(inputs.gamma, max_gamma), list[int]()
+    while gamma not in visited:
+        visited.append(gamma)
+        p = predict_at(inputs, n_targets, gamma)
+        loaded = p.regime == "fully-loaded"
+        wait = 0.0  # under-loaded (or alone): a job's batch starts as it arrives
+        if loaded:  # the queue: what is left of the cycle besides its batch and R
+            wait = max(p.iteration_s - service_s(at_gamma(inputs, gamma), first) - r, 0.0)
+        costs = [0.0] + [service_s(at_gamma(inputs, g), first) for g in range(1, max_gamma + 1)]
+        gamma = best_gamma(expected, costs, [wait + r] * (max_gamma + 1),
+                           inputs.target_step_s, first, loaded)  # fmt: skip
+    cycle = visited[visited.index(gamma):]
+    best = max(cycle, key=lambda g: (predict_at(inputs, n_targets, g).system_tokens_per_s, -g))
+    return best, predict_at(inputs, n_targets, best)
+
+
+def auto_table(inputs: ModelInputs, ns: list[int], max_gamma: int = 16) -> str:
+    """A markdown table of the gamma auto settles at against N, beside the inputs' fixed one."""
+    lines = [
+        f"auto gamma (0..{max_gamma}; S measured at gamma {inputs.gamma}, scaled per draft "
+        f"step; R constant; T_alone = T_ar = {1e3 * inputs.target_step_s:.2f} ms):",
+        "",
+        "| N | gamma | regime | system tok/s | per-target tok/s | hub busy "
+        f"| system tok/s at gamma {inputs.gamma} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in ns:
+        gamma, p = auto_gamma(inputs, n, max_gamma)
+        fixed = predict(inputs, n)
+        lines.append(f"| {n} | {gamma} | {p.regime} | {p.system_tokens_per_s:.1f} | "
+                     f"{p.per_target_tokens_per_s:.1f} | {p.hub_busy_fraction:.2f} | "
+                     f"{fixed.system_tokens_per_s:.1f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------- JSON
@@ -357,26 +476,45 @@ def _plot_curve(ax: Any, inputs: ModelInputs) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelInputs, list[int], str | None]:
-    """argparse -> (inputs, N values, plot path)."""
+    """argparse -> (inputs, N values, plot path); see :func:`parse_cli` for --gamma auto."""
+    inputs, ns, plot_path, _ = parse_cli(argv)
+    return inputs, ns, plot_path
+
+
+def parse_cli(
+    argv: list[str] | None = None,
+) -> tuple[ModelInputs, list[int], str | None, int | None]:
+    """argparse -> (inputs, N values, plot path, max gamma under --gamma auto, else None)."""
     p = argparse.ArgumentParser(prog="python -m starsd.analytic",
                                 description=__doc__.split("\n")[0])  # fmt: skip
     p.add_argument("--from", dest="source", help="a benchmark JSON with model_inputs")
     p.add_argument("--alpha", type=float, default=0.7)
-    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--gamma", default="4",
+                   help="draft tokens per round, or auto: the gamma the hub's policy settles "
+                        "at per N (S and verify are then taken as measured at gamma 4, or the "
+                        "benchmark's gamma)")  # fmt: skip
+    p.add_argument("--max-gamma", type=int, default=16, help="auto: the largest gamma")
     p.add_argument("--draft-ms", type=float, default=3.0, help="S(d) = S(1) per proposal")
     p.add_argument("--verify-ms", type=float, default=5.0)
     p.add_argument("--link-ms", type=float, default=0.3)
     p.add_argument("--target-step-ms", type=float, default=4.0)
     p.add_argument("--max-batch", type=int, help="M (default: the curve's largest B, else 1)")
     p.add_argument("--curve", help="S(B) as B:ms pairs, e.g. 1:4.3,8:4.7,32:6.5")
+    p.add_argument("--hit-rate", type=float, default=0.0,
+                   help="share of jobs answered from pre-drafted branches while the hub idles")
     p.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--plot", help="write the curves to this PNG")
     a = p.parse_args(argv)
+    auto = a.gamma == "auto"
     try:
+        a.gamma = 4 if auto else int(a.gamma)
+        if a.gamma < 1 or a.max_gamma < 1:
+            raise ValueError("--gamma and --max-gamma must be >= 1 (or --gamma auto)")
         inputs = _with_batching(_base_inputs(a), a.curve, a.max_batch)
+        inputs = dataclasses.replace(inputs, hit_rate=a.hit_rate)
     except ValueError as exc:
         p.error(str(exc))
-    return inputs, a.n, a.plot
+    return inputs, a.n, a.plot, a.max_gamma if auto else None
 
 
 def _base_inputs(a: argparse.Namespace) -> ModelInputs:
@@ -399,10 +537,13 @@ def _with_batching(inputs: ModelInputs, curve: str | None, max_batch: int | None
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m starsd.analytic``."""
-    inputs, ns, plot_path = parse_args(argv)
+    inputs, ns, plot_path, max_gamma = parse_cli(argv)
     print(curve_table(inputs))
     print()
     print(table(inputs, ns))
+    if max_gamma is not None:
+        print()
+        print(auto_table(inputs, ns, max_gamma))
     if plot_path:
         plot(inputs, ns, plot_path)
         print(f"plot: {plot_path}")

@@ -56,6 +56,20 @@ class SequenceCache:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
         self.layers = [(k[:, :length], v[:, :length]) for k, v in self.layers]
 
+    def extended(self, more: SequenceCache) -> SequenceCache:
+        """A new cache: these positions, then ``more``'s (copies both)."""
+        if not self.layers:
+            return SequenceCache(list(more.layers))
+        return SequenceCache([(torch.cat([k, k2], dim=1), torch.cat([v, v2], dim=1))
+                              for (k, v), (k2, v2) in zip(self.layers, more.layers,
+                                                          strict=True)])  # fmt: skip
+
+    def prefix(self, length: int) -> SequenceCache:
+        """A view of the first ``length`` positions (this cache is left as it is)."""
+        view = SequenceCache(list(self.layers))
+        view.crop(length)
+        return view
+
     def nbytes(self) -> int:
         """Bytes of keys and values this sequence holds."""
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
@@ -167,11 +181,14 @@ class RaggedBatch:
             buffers.append(LayerBuffer(keys, values, c_max))
         return buffers
 
-    def scatter(self, buffers: Sequence[LayerBuffer], row: int, steps_kept: int) -> SequenceCache:
-        """Row ``row``'s new cache: its cached, fed and first ``steps_kept`` decoded columns."""
+    def scatter(self, buffers: Sequence[LayerBuffer], row: int, steps_kept: int,
+                keep_cached: bool = True) -> SequenceCache:  # fmt: skip
+        """Row ``row``'s new cache: its cached (unless not ``keep_cached``), fed and first
+        ``steps_kept`` decoded columns."""
         c_max, f_max = self.cached_width, self.fed_width
+        first = c_max - self.cached[row] if keep_cached else c_max
         keep = torch.cat([
-            torch.arange(c_max - self.cached[row], c_max + self.fed[row]),
+            torch.arange(first, c_max + self.fed[row]),
             torch.arange(c_max + f_max, c_max + f_max + steps_kept),
         ])  # fmt: skip
         return SequenceCache([(b.keys[row].index_select(1, keep),

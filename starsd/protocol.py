@@ -11,8 +11,10 @@ or none, with equal first dimensions.
 
 The message dataclasses are the schema, its one source: a field's annotation says which types
 its value may have on the wire, a default makes it optional, and an array field carries its
-dtypes and rank in its metadata (see ``_array``). The tables that encode and decode read are
-derived from them once, at import.
+dtypes and rank in its metadata (see ``_array``). A body field marked ``sparse`` in its metadata
+is left out while it holds its default, so a peer that predates the field still reads every
+message that does not use it (decoders refuse unknown keys). The tables that encode and decode
+read are derived from them once, at import.
 
 This module imports only the standard library, msgpack and numpy, so any tool can speak it.
 """
@@ -249,6 +251,10 @@ class Proposal:
     Greedy: no probabilities. Truncated sampling (top-k/top-p): ``q_support`` [gamma, K] int32
     token ids with ``q_probs`` [gamma, K] float32 (zero-padded). Otherwise dense ``q_probs``
     [gamma, V] float32.
+
+    ``alone`` > 0 comes with no tokens (gamma 0: speculation does not pay for this sequence
+    now): the target decodes that many tokens itself (fewer if it stops first), then sends its
+    DRAFT with accepted 0 and those tokens appended.
     """
 
     TYPE: ClassVar[int] = 6
@@ -258,6 +264,8 @@ class Proposal:
     q_probs: np.ndarray | None = field(default=None, repr=False, metadata=_array(_FLOATS, 2))
     q_support: np.ndarray | None = field(default=None, repr=False, metadata=_array(_IDS, 2))
     epoch: bytes = b""
+    # tokens to decode alone before the next DRAFT (with no tokens only); sent only when > 0
+    alone: int = field(default=0, metadata={"sparse": True})
 
 
 @dataclass(frozen=True)
@@ -414,6 +422,7 @@ class _Layout:
     nested: tuple[str, ...]  # body fields holding SamplingParams (a map on the wire)
     arrays: dict[str, _ArraySpec]  # array fields, in frame order
     groups: tuple[tuple[str, ...], ...]  # array fields that come all or none, equal lengths
+    sparse: tuple[tuple[str, Any], ...] = ()  # body fields left out at their default: (name, it)
 
 
 def _union(hint: Any) -> tuple[Any, ...]:
@@ -444,7 +453,13 @@ def _layout(cls: type) -> _Layout:
         nested=tuple(n for n in schema if SamplingParams in _union(hints[n])),
         arrays=arrays,
         groups=_groups(arrays),
+        sparse=_sparse(cls),
     )
+
+
+def _sparse(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of the body fields left out while at their default."""
+    return tuple((f.name, f.default) for f in dataclasses.fields(cls) if f.metadata.get("sparse"))
 
 
 def _groups(arrays: dict[str, _ArraySpec]) -> tuple[tuple[str, ...], ...]:
@@ -469,6 +484,9 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     for name in layout.nested:  # (dataclasses.asdict would deep-copy: slower)
         if body[name] is not None:
             body[name] = {key: getattr(body[name], key) for key in _SAMPLING_FIELDS}
+    for name, default in layout.sparse:
+        if body[name] == default:
+            del body[name]
     frames: list[bytes | memoryview] = []
     arrays: list[list[Any]] = []
     for name in layout.arrays:

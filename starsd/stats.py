@@ -20,15 +20,33 @@ class TargetStats:
     sessions: int = 0
     rounds: int = 0  # verdicts received (one per verified proposal)
     proposed: int = 0  # draft tokens in those proposals
+    alone_rounds: int = 0  # verdicts after a span the target decoded alone (gamma 0)
     accepted: int = 0  # of which the target accepted
     queue_wait_s: float = 0.0  # summed time jobs waited in Q_in before drafting started
     jobs: int = 0
+    predraft_hits: int = 0  # jobs answered from a pre-drafted branch (no model work)
     errors: int = 0
 
     def record_verdict(self, proposed: int, accepted: int) -> None:
+        """A verdict on a proposal of ``proposed`` tokens (0: the target decoded alone)."""
+        if proposed == 0:
+            self.alone_rounds += 1
+            return
         self.rounds += 1
         self.proposed += proposed
         self.accepted += accepted
+
+    @property
+    def mean_gamma(self) -> float:
+        """Mean gamma chosen per round, rounds at gamma 0 included."""
+        rounds = self.rounds + self.alone_rounds
+        return self.proposed / rounds if rounds else 0.0
+
+    @property
+    def alone_fraction(self) -> float:
+        """The fraction of rounds at gamma 0 (the target decoding alone)."""
+        rounds = self.rounds + self.alone_rounds
+        return self.alone_rounds / rounds if rounds else 0.0
 
     @property
     def mean_accepted(self) -> float:
@@ -40,6 +58,11 @@ class TargetStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
+    def hit_rate(self) -> float:
+        """Share of jobs answered from a pre-drafted branch."""
+        return self.predraft_hits / self.jobs if self.jobs else 0.0
+
+    @property
     def mean_queue_wait_ms(self) -> float:
         return 1000.0 * self.queue_wait_s / self.jobs if self.jobs else 0.0
 
@@ -47,7 +70,9 @@ class TargetStats:
         return (
             f"target {self.name}: sessions={self.sessions} rounds={self.rounds} "
             f"mean_accepted={self.mean_accepted:.2f} acceptance={self.acceptance_rate:.3f} "
-            f"queue_wait_ms={self.mean_queue_wait_ms:.2f} errors={self.errors}"
+            f"gamma={self.mean_gamma:.2f} gamma0={self.alone_fraction:.3f} "
+            f"queue_wait_ms={self.mean_queue_wait_ms:.2f} predraft_hits={self.hit_rate:.2f} "
+            f"errors={self.errors}"
         )
 
 
@@ -72,6 +97,7 @@ class HubStats:
     sessions_dropped: int = 0  # freed because their proposal could not be delivered
     unauthenticated: int = 0  # messages refused for a key not (or no longer) allowed
     over_budget: int = 0  # messages dropped unread: their peer sent faster than its budget
+    predraft_s: float = 0.0  # the drafting thread's time pre-drafting, while no job waited
     by_size: dict[int, tuple[int, float]] = field(default_factory=dict)  # B -> (count, seconds)
 
     def record_batch(self, jobs: int, busy_s: float, busy_cpu_s: float) -> None:
@@ -117,7 +143,8 @@ class HubStats:
             f"cpu_ms_per_job={1e3 * self.busy_cpu_s / max(self.jobs, 1):.2f} "
             f"messages={self.messages} errors_sent={self.errors_sent} "
             f"expired={self.sessions_expired} dropped={self.sessions_dropped} "
-            f"unauthenticated={self.unauthenticated} over_budget={self.over_budget}"
+            f"unauthenticated={self.unauthenticated} over_budget={self.over_budget} "
+            f"predraft_s={self.predraft_s:.2f}"
         )
 
 

@@ -210,3 +210,72 @@ def test_cli_prints_the_curve_and_the_new_n_full(capsys: pytest.CaptureFixture[s
     assert "N_full = 17" in out and "| 17 | fully-loaded | 16.00 | 0.00 |" in out
     with pytest.raises(SystemExit):
         analytic.main(["--max-batch", "8"])
+
+
+# ------------------------------------------------------------------ auto gamma
+
+
+def test_auto_gamma_for_one_target_is_the_best_fixed_gamma() -> None:
+    """Catches S not scaled with gamma (longer would look free: max_gamma), R or T_ar left out
+    of the rule, or a rule other than the session's own rate when the hub idles: for one target
+    the gamma auto settles at must be the fixed gamma with the most tokens per second."""
+    slow_target = ModelInputs(0.8, 4, 0.002, 0.020, 0.001, 0.018)
+    gamma, p = analytic.auto_gamma(slow_target, 1)
+    rates = {g: analytic.predict_at(slow_target, 1, g).per_target_tokens_per_s
+             for g in range(17)}  # fmt: skip
+    assert gamma == max(rates, key=rates.__getitem__) and gamma >= 5
+    assert p.per_target_tokens_per_s == pytest.approx(rates[gamma])
+    assert analytic.at_gamma(slow_target, 8).draft_s == pytest.approx(0.004)
+
+
+def test_auto_gamma_switches_off_past_break_even() -> None:
+    """Catches a model that keeps speculating when every target would be faster alone (the
+    hub's gamma 0): past break-even N auto must give each target 1 / T_ar, the hub idle."""
+    assert analytic.break_even_targets(INPUTS) == 0  # alpha 0.5: never worth it at gamma 4
+    gamma, p = analytic.auto_gamma(INPUTS, 8)
+    assert gamma == 0 and p.regime == "alone" and p.hub_busy_fraction == 0.0
+    assert p.system_tokens_per_s == pytest.approx(8 / 0.004)
+    fast = ModelInputs(0.8, 4, 0.002, 0.005, 0.001, 0.004)
+    assert analytic.auto_gamma(fast, 1)[0] >= 1  # one target: speculation pays
+    assert analytic.auto_gamma(fast, 64)[0] == 0  # 64 on a one-at-a-time hub: it does not
+
+
+def test_best_gamma_rule() -> None:
+    """Catches the fully loaded branch ranking by the session's own rate (it must rank by
+    tokens per hub second among the gammas that still beat T_alone) and ties going long."""
+    expected = [analytic.expected_tokens_per_round(0.9, g) for g in range(9)]
+    costs = [0.0] + [0.010 + 0.005 * (g - 1) for g in range(1, 9)]
+    outside = [0.050] * 9
+    idle = analytic.best_gamma(expected, costs, outside, 0.040, 64, loaded=False)
+    full = analytic.best_gamma(expected, costs, outside, 0.040, 64, loaded=True)
+    assert idle == 8 and full == 1
+    flat = [0.0] + [0.010] * 8
+    assert analytic.best_gamma([1.0] * 9, flat, outside, None, 1, loaded=False) == 1
+    assert analytic.best_gamma(expected, costs, outside, 0.001, 64, loaded=True) == 0
+
+
+def test_cli_gamma_auto_prints_the_chosen_gamma(capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches --gamma auto refused, or printing no choice per N."""
+    analytic.main(["--gamma", "auto", "--alpha", "0.5", "--draft-ms", "2", "--verify-ms", "5",
+                   "--link-ms", "1", "--target-step-ms", "4", "--n", "1", "8"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "auto gamma (0..16" in out and "| 8 | 0 | alone | 2000.0 |" in out
+    with pytest.raises(SystemExit):
+        analytic.main(["--gamma", "often"])
+
+
+def test_pre_drafting_shortens_idle_rounds_and_changes_nothing_fully_loaded() -> None:
+    """Catches a hit rate applied where the hub has no idle time to pre-draft in (a fully loaded
+    hub would be predicted faster than its drafting allows), or not applied at all."""
+    base = ModelInputs(0.7, 4, 0.010, 0.020, 0.001, 0.010)  # S = 10 ms, R = 21 ms
+    hits = dataclasses.replace(base, hit_rate=0.5)
+    one = analytic.predict(hits, 1)
+    assert one.regime == "under-loaded"
+    assert math.isclose(one.iteration_s, 0.5 * 0.010 + 0.021)  # (1 - h) S + R
+    ratio = one.per_target_tokens_per_s / analytic.predict(base, 1).per_target_tokens_per_s
+    assert math.isclose(ratio, 0.031 / 0.026)
+    full = analytic.saturation_point(base)
+    assert analytic.predict(hits, full) == analytic.predict(base, full)
+    assert analytic.predict(hits, 40) == analytic.predict(base, 40)
+    with pytest.raises(ValueError):
+        dataclasses.replace(base, hit_rate=1.5)

@@ -208,7 +208,8 @@ def test_three_targets_greedy_through_an_eagle_hub(tmp_path: Path) -> None:
     targets = [TargetProcess(hub.endpoint, target_dir,
                              write_prompts(tmp_path / f"in{i}.jsonl", prompts[2 * i : 2 * i + 2]),
                              tmp_path / f"out{i}.jsonl", "--concurrency", "2", "--deadline-ms",
-                             "60000", max_new_tokens=32) for i in range(3)]  # fmt: skip
+                             "60000", "--gamma", "4",  # every round a verified one
+                             max_new_tokens=32) for i in range(3)]  # fmt: skip
     rounds = accepted = 0
     for i, t in enumerate(targets):
         rows = t.wait()

@@ -67,6 +67,7 @@ MESSAGES: list[protocol.Message] = [
         np.array([[0.6, 0.4], [1.0, 0.0]], dtype=np.float32),
         np.array([[1, 7], [2, 0]], dtype=np.int32),
     ),
+    Proposal(TAG, 3, np.zeros(0, dtype=np.int32), alone=16),  # gamma 0: decode 16 alone
     Close(TAG),
     Ping(7),
     Pong(7),
@@ -438,3 +439,14 @@ def test_hub_stats_curve_round_trips_through_stats() -> None:
     empty = decode(_frames(protocol.Stats(1, 1.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0,
                                           **protocol.curve_arrays([]))))  # fmt: skip
     assert isinstance(empty, protocol.Stats) and empty.service_totals() == []
+
+
+def test_proposal_alone_travels_only_when_used() -> None:
+    """Catches ``alone`` sent at 0: a target from before the field refuses unknown keys, so it
+    would refuse every proposal of a newer hub instead of only the spans alone it cannot do."""
+    plain = msgpack.unpackb(_frames(Proposal(TAG, 0, np.array([1], np.int32)))[0][2:])
+    assert "alone" not in plain
+    span = msgpack.unpackb(_frames(Proposal(TAG, 0, np.zeros(0, np.int32), alone=8))[0][2:])
+    assert span["alone"] == 8
+    out = decode(_frames(Proposal(TAG, 0, np.zeros(0, np.int32), alone=8)))
+    assert isinstance(out, Proposal) and out.alone == 8

@@ -69,6 +69,40 @@ def test_open_uses_the_default_gamma_and_an_unguessable_tag() -> None:
     assert peer.tags == tags and peer.stats.sessions == 2
 
 
+def test_under_auto_an_open_naming_a_gamma_keeps_it() -> None:
+    """Catches --gamma auto taking over a session whose OPEN named a gamma, a fixed hub gamma
+    (--gamma N) left to the policy, an auto session that does not start at the default, and
+    an OPEN above max_gamma accepted because the hub chooses anyway."""
+    table, _ = _table(Limits(**{**vars(LIMITS), "auto_gamma": True}))
+    peer = _peer(table, b"A")
+    auto, named = _open(table, peer), _open(table, peer, gamma=3)
+    assert not table.sessions[auto].gamma_fixed and table.sessions[auto].state["gamma"] == 4
+    assert table.sessions[named].gamma_fixed and table.sessions[named].state["gamma"] == 3
+    other = _peer(table, b"B")  # (A holds its quota of 2)
+    for bad in (9, -1):
+        _refused(ErrorCode.INVALID_ARGUMENT, _open, table, other, PROMPT, bad)
+    fixed, _ = _table(Limits(**{**vars(LIMITS), "default_gamma": 0}))  # --gamma 0
+    session = fixed.sessions[_open(fixed, _peer(fixed, b"A"))]
+    assert session.gamma_fixed and session.state["gamma"] == 0
+
+
+def test_a_verdict_on_a_span_alone_counts_as_a_gamma_0_round() -> None:
+    """Catches a span alone (a proposal of 0 tokens) counted as a speculative round (it would
+    dilute mean_accepted and the hub's STATS rounds), or accepting drafts it never had."""
+    table, _ = _table()
+    peer = _peer(table, b"A")
+    tag = _delivered_session(table, peer, proposed=0)
+    span = np.arange(10, 15, dtype=np.int32)
+    _refused(ErrorCode.INVALID_ARGUMENT, table.draft, peer, Draft(tag, 1, 1, span))
+    session = table.draft(peer, Draft(tag, 1, 0, span))
+    assert session.length == len(PROMPT) + 5
+    assert (peer.stats.rounds, peer.stats.alone_rounds) == (0, 1)
+    table.delivered(tag, 1, 4)
+    table.draft(peer, Draft(tag, 2, 2, span[:1]))
+    assert (peer.stats.rounds, peer.stats.alone_rounds, peer.stats.proposed) == (1, 1, 4)
+    assert "gamma=2.00 gamma0=0.500" in peer.stats.line()
+
+
 @pytest.mark.parametrize("case", ["draining", "hub full", "target quota", "gamma", "empty",
                                   "token id", "features unwanted"])  # fmt: skip
 def test_each_open_refusal_changes_nothing(case: str) -> None:

@@ -1,6 +1,6 @@
 """The StarSD draft hub: one ROUTER socket, many targets, one work-conserving drafting thread.
 
-    python -m starsd.hub --model DIR --bind tcp://127.0.0.1:5555 [--gamma 4] [--device cuda]
+    python -m starsd.hub --model DIR --bind tcp://127.0.0.1:5555 [--gamma auto] [--device cuda]
 
 Hub-only code; ``edge/`` never imports anything under this package. Its rooms:
 
@@ -10,6 +10,7 @@ Hub-only code; ``edge/`` never imports anything under this package. Its rooms:
 * ``sessions`` - the session table and admission rules, pure (injectable clock, no sockets).
 * ``engine`` - the drafting thread's side: Q_in -> propose -> deliver and send.
 * ``scheduler`` - Q_in, fair across targets.  ``drafters/`` - one module per drafting kind.
+* ``policy`` - ``--gamma auto``, pure; ``pacing`` - applies it on the drafting thread.
 
 The two threads share the session table and the counters under one lock (``Hub.lock``); a
 session's draft state belongs to the drafting thread alone.

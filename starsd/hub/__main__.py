@@ -22,7 +22,11 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--model", default=str(models.DEFAULT_DRAFT_DIR),
                    help="draft model dir or hub id")  # fmt: skip
     p.add_argument("--bind", default=HubConfig.bind)
-    p.add_argument("--gamma", type=int, default=HubConfig.gamma, help="default draft length")
+    p.add_argument("--gamma", type=_gamma, default=HubConfig.gamma,
+                   help="draft tokens per round: auto (default) chooses per session and round "
+                        "from its acceptance and the hub's load (0 when speculation does not "
+                        "pay: the target decodes alone for a while); N in 0..--max-gamma fixes "
+                        "it. An OPEN naming a gamma keeps its own")  # fmt: skip
     p.add_argument("--max-gamma", type=int, default=HubConfig.max_gamma)
     p.add_argument("--device", default=HubConfig.device, help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default=HubConfig.dtype, choices=["float32", "float16", "bfloat16"])
@@ -50,15 +54,35 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--max-batch", type=int, default=HubConfig.max_batch,
                    help="draft jobs (sessions) drafted together in one batched forward, taken "
                         "fairly across targets; 1 drafts one session at a time")
+    p.add_argument("--predraft-branches", type=int, default=HubConfig.predraft_branches,
+                   help="while no job waits, draft ahead for this many likely verdicts per "
+                        "session whose proposal is out (draft-kind llm); 0 turns it off")
     p.add_argument("--insecure", action="store_true",
                    help="allow plain text on a non-loopback --bind (trusted networks only)")
     args = p.parse_args(argv)
     if args.max_batch < 1:
         p.error(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.predraft_branches < 0:
+        p.error(f"--predraft-branches must be >= 0, got {args.predraft_branches}")
+    if args.max_gamma < 1:
+        p.error(f"--max-gamma must be at least 1, got {args.max_gamma}")
+    if args.gamma != "auto" and not 0 <= args.gamma <= args.max_gamma:
+        p.error(f"--gamma must be auto or in 0..{args.max_gamma} (--max-gamma), "
+                f"got {args.gamma}")  # fmt: skip
     config = HubConfig(**vars(args))
     if (config.curve_secret is None) != (config.allow_dir is None):
         p.error("--curve-secret and --allow-dir go together")
     return config
+
+
+def _gamma(text: str) -> int | str:
+    """``--gamma``: "auto" or an integer (its range is checked against --max-gamma)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor an integer") from None
 
 
 async def run(config: HubConfig) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starsd import models, protocol
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import Proposer
 from starsd.hub.server import Hub
 from starsd.protocol import Welcome
+
+if TYPE_CHECKING:
+    from starsd.hub.predraft import Predrafter
 
 log = logging.getLogger("starsd.hub")
 
@@ -26,13 +30,24 @@ def build_hub(config: HubConfig) -> Hub:
         vocab_size=info.vocab_size,
         tokenizer=info.tokenizer_fingerprint,
         epoch=secrets.token_bytes(protocol.EPOCH_BYTES),
-        default_gamma=config.gamma,
+        default_gamma=config.default_gamma,
         max_gamma=config.max_gamma,
         draft_kind=config.draft_kind,
         heartbeat_ms=int(1000 * config.heartbeat_s),
         feature_width=proposer.feature_width,
     )
-    return Hub(config, proposer, welcome)
+    return Hub(config, proposer, welcome, predrafter_for(proposer, config))
+
+
+def predrafter_for(proposer: Proposer, config: HubConfig) -> Predrafter | None:
+    """Pre-drafting for a draft LLM hub unless turned off (EAGLE needs the verdict's features)."""
+    from starsd.hub.drafters.llm import LlmProposer
+    from starsd.hub.predraft import Predrafter
+
+    if not isinstance(proposer, LlmProposer) or config.predraft_branches == 0:
+        return None
+    return Predrafter(proposer, config.predraft_branches, rows=min(32, config.max_batch),
+                      max_sessions=config.max_sessions)  # fmt: skip
 
 
 def load_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:

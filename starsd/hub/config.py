@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from starsd.hub import auth
+
+AUTO_START_GAMMA = 4  # --gamma auto: a session's first rounds, until its estimate has data
 
 
 @dataclass(frozen=True)
@@ -14,7 +17,7 @@ class HubConfig:
 
     model: str
     bind: str = "tcp://127.0.0.1:5555"
-    gamma: int = 4
+    gamma: int | Literal["auto"] = "auto"  # N: every session drafts N (0: none); auto: policy
     max_gamma: int = 16
     device: str = "cpu"
     dtype: str = "float32"
@@ -31,10 +34,31 @@ class HubConfig:
     insecure: bool = False  # allow plain text on a non-loopback bind
     peer_budget: float = 50.0  # messages/s a peer may send besides accepted DRAFTs (0: no limit)
     max_batch: int = 64  # draft jobs drafted together in one batch (1: one at a time)
+    predraft_branches: int = 4  # verdicts pre-drafted per session while idle (0: off; llm only)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.predraft_branches < 0:
+            raise ValueError(f"predraft_branches must be >= 0, got {self.predraft_branches}")
+        if self.max_gamma < 1:
+            raise ValueError(f"max_gamma must be at least 1, got {self.max_gamma}")
+        if self.gamma != "auto" and (
+                isinstance(self.gamma, bool) or not isinstance(self.gamma, int)
+                or not 0 <= self.gamma <= self.max_gamma):  # fmt: skip
+            raise ValueError(f"gamma must be 'auto' or an integer in 0..{self.max_gamma}, "
+                             f"got {self.gamma!r}")  # fmt: skip
+
+    @property
+    def auto_gamma(self) -> bool:
+        """Whether the hub chooses each session's gamma every round (``--gamma auto``)."""
+        return self.gamma == "auto"
+
+    @property
+    def default_gamma(self) -> int:
+        """What WELCOME announces and an OPEN with gamma 0 gets: the fixed gamma, or under
+        auto the gamma sessions start with (4, or max_gamma if smaller)."""
+        return min(AUTO_START_GAMMA, self.max_gamma) if self.gamma == "auto" else self.gamma
 
     @property
     def curve(self) -> auth.CurveServerConfig | None:

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from starsd import protocol
 from starsd.hub.drafters.base import DraftJob, Proposer
@@ -23,6 +24,9 @@ from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import SessionTable
 from starsd.protocol import Error, Proposal
 from starsd.stats import HubStats
+
+if TYPE_CHECKING:  # the engine only calls it; build.py makes one for draft-LLM hubs
+    from starsd.hub.predraft import Predrafter
 
 log = logging.getLogger("starsd.hub")
 
@@ -33,10 +37,11 @@ class DraftingEngine:
     """Owns the drafting thread; shares the session table and counters under ``lock``."""
 
     def __init__(self, proposer: Proposer, q_in: FairQueue[DraftJob], table: SessionTable,
-                 lock: threading.Lock, send: Send, stats: HubStats,
-                 max_batch: int = 1) -> None:  # fmt: skip
+                 lock: threading.Lock, send: Send, stats: HubStats, max_batch: int = 1,
+                 predrafter: Predrafter | None = None) -> None:  # fmt: skip
         self.proposer = proposer
         self.max_batch = max_batch
+        self.predrafter = predrafter  # the drafting thread's own; None: no pre-drafting
         self.q_in = q_in
         self.table = table
         self.lock = lock
@@ -51,34 +56,77 @@ class DraftingEngine:
     def run(self) -> None:
         """The drafting thread's loop (entry point of the thread)."""
         # Every waiting job up to max_batch, one per target in turn: the proposer drafts them
-        # in one batched forward, which costs little more than one job alone.
-        while (batch := self.q_in.take(self.max_batch)) is not None:
-            self._serve(batch)
+        # in one batched forward, which costs little more than one job alone. With no job
+        # waiting, one pre-draft forward at a time, so a job that arrives waits for one step.
+        while (batch := self._next_batch()) is not None:
+            if batch:
+                self._serve(batch)
+            else:
+                self._predraft()
+
+    def _next_batch(self) -> list[DraftJob] | None:
+        idle_work = self.predrafter is not None and self.predrafter.has_work()
+        return self.q_in.take(self.max_batch, block=not idle_work)
 
     def _serve(self, batch: list[DraftJob]) -> None:
         started, cpu_started = time.perf_counter(), time.thread_time()
+        hits = self._answered(batch)  # from pre-drafted branches: no model work
+        results = dict(hits)
+        drafted = [i for i in range(len(batch)) if i not in hits]
+        if drafted:
+            with self.lock:
+                self.stats.batch_started = started
+            proposals = self.proposer.propose([batch[i] for i in drafted])
+            results.update(zip(drafted, proposals, strict=True))
         with self.lock:
-            self.stats.batch_started = started
-        results = self.proposer.propose(batch)
-        with self.lock:
-            for job, result in zip(batch, results, strict=True):
-                self._deliver(job, result, started)
-            # Busy time is the whole service of the batch, delivery included: S(d) of the model.
-            self.stats.record_batch(len(batch), time.perf_counter() - started,
-                                    time.thread_time() - cpu_started)  # fmt: skip
+            sent = [job for i, job in enumerate(batch)
+                    if self._deliver(job, results[i], started, hit=i in hits)]  # fmt: skip
+            if drafted:  # busy time is the batch's whole service, delivery included: S(B)
+                self.stats.record_batch(len(drafted), time.perf_counter() - started,
+                                        time.thread_time() - cpu_started)  # fmt: skip
+        self._offer(sent)
 
-    def _deliver(self, job: DraftJob, result: Proposal | Error, started: float) -> None:
+    def _deliver(self, job: DraftJob, result: Proposal | Error, started: float,
+                 hit: bool) -> bool:  # fmt: skip
+        """Update the session and send ``result`` (lock held); True if a proposal went out."""
         proposed = len(result.tokens) if isinstance(result, Proposal) else None
         session = self.table.delivered(job.tag, job.seq, proposed)
         if session is None:  # closed while drafting: nothing to send, state is already dropped
-            return
+            return False
         peer = self.table.peers.get(session.routing_id)
         if peer is not None:
             peer.stats.jobs += 1
             peer.stats.queue_wait_s += started - job.enqueued_at
+            peer.stats.predraft_hits += hit
         sent = self.send(session.routing_id, result)
         if not sent and proposed is not None:  # (an error result ended its session already)
             # The target will not see this proposal: free the state now; the target re-opens
             # from its own tokens when its DRAFT gets UNKNOWN_SESSION or its deadline passes.
             self.table.drop(session)
             self.stats.sessions_dropped += 1
+        return sent and proposed is not None
+
+    # ------------------------------------------------------------------ pre-drafting
+
+    def _answered(self, batch: list[DraftJob]) -> dict[int, Proposal | Error]:
+        """Jobs whose verdict matches a pre-drafted branch, answered from it."""
+        if self.predrafter is None:
+            return {}
+        hits: dict[int, Proposal | Error] = {}
+        for i, job in enumerate(batch):
+            proposal = self.predrafter.answer(job)
+            if proposal is not None:
+                hits[i] = proposal
+        return hits
+
+    def _offer(self, sent: list[DraftJob]) -> None:
+        """Sessions whose proposals went out: their likely verdicts are pre-drafted when idle."""
+        if self.predrafter is not None:
+            for job in sent:
+                self.predrafter.offer(job.tag, job.state)
+
+    def _predraft(self) -> None:
+        assert self.predrafter is not None
+        self.predrafter.step()
+        with self.lock:
+            self.stats.predraft_s = self.predrafter.stats.busy_s

@@ -64,11 +64,17 @@ class FairQueue(Generic[T]):
             self._queues.clear()
             return dropped
 
-    def take(self, limit: int) -> list[T] | None:
-        """Up to ``limit`` jobs, one per owner in turn; None once closed and empty."""
+    def backlog(self) -> bool:
+        """Whether any job is queued now (right after a take: more were waiting than it took)."""
+        with self._lock:
+            return bool(self._queues)
+
+    def take(self, limit: int, block: bool = True) -> list[T] | None:
+        """Up to ``limit`` jobs, one per owner in turn; None once closed and empty. Without
+        ``block``, an empty list when nothing is queued."""
         while True:
             with self._lock:
-                if self._queues or self._closed:
+                if self._queues or self._closed or not block:
                     return self._take_now(limit)
                 self._waiting += 1
             self._doorbell.get()  # a put or close rings once for each waiting taker

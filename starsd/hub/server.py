@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import zmq.asyncio
@@ -33,6 +34,8 @@ from starsd.hub.budget import PeerBudget, Rates
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.engine import DraftingEngine
+from starsd.hub.pacing import PacedPredrafter, PacedProposer
+from starsd.hub.policy import GammaPolicy, PolicyParams
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import Limits, Peer, Refused, Session, SessionTable
 from starsd.logsafe import Throttle, printable
@@ -54,6 +57,9 @@ from starsd.protocol import (
 )
 from starsd.stats import HubStats
 
+if TYPE_CHECKING:  # built by build.py for draft-LLM hubs; this module only passes it on
+    from starsd.hub.predraft import Predrafter
+
 log = logging.getLogger("starsd.hub")
 
 _STAMPED = (Opened, Proposal, Pong, Error, Stats)  # hub replies that carry the epoch
@@ -66,20 +72,30 @@ def limits_of(config: HubConfig, welcome: Welcome, max_positions: int | None) ->
     return Limits(
         max_sessions=config.max_sessions,
         max_sessions_per_target=config.max_sessions_per_target,
-        default_gamma=config.gamma,
+        default_gamma=config.default_gamma,
         max_gamma=config.max_gamma,
         lease_s=protocol.LIVENESS_INTERVALS * config.heartbeat_s,
         vocab_size=welcome.vocab_size,
         max_positions=max_positions,
         feature_width=welcome.feature_width,
         feature_dtype=welcome.feature_dtype,
+        auto_gamma=config.auto_gamma,
     )
+
+
+def paced(config: HubConfig, proposer: Proposer, table: SessionTable, lock: threading.Lock,
+          q_in: FairQueue[DraftJob]) -> PacedProposer:  # fmt: skip
+    """The proposer the drafting thread calls: ``proposer`` behind the per-round gamma policy
+    (which leaves sessions with a fixed gamma, and every session under --gamma N, as they are)."""
+    params = PolicyParams(max_gamma=config.max_gamma, start_gamma=max(config.default_gamma, 1))
+    return PacedProposer(proposer, table, lock, GammaPolicy(params), backlog=q_in.backlog)
 
 
 class Hub:
     """The event loop's side of the hub; see the module docstring."""
 
-    def __init__(self, config: HubConfig, proposer: Proposer, welcome: Welcome) -> None:
+    def __init__(self, config: HubConfig, proposer: Proposer, welcome: Welcome,
+                 predrafter: Predrafter | None = None) -> None:  # fmt: skip
         self.config = config
         self.proposer = proposer
         self.welcome = welcome
@@ -91,8 +107,11 @@ class Hub:
                                        enabled=config.peer_budget > 0))  # fmt: skip
         self.quiet = Throttle()  # log lines a peer can trigger at will: one per 10 s per kind
         self.q_in: FairQueue[DraftJob] = FairQueue()
-        self.engine = DraftingEngine(proposer, self.q_in, self.table, self.lock, self.send,
-                                     self.stats, config.max_batch)  # fmt: skip
+        self.pacing = paced(config, proposer, self.table, self.lock, self.q_in)
+        if predrafter is not None:  # (a stand-in with the pre-drafter's interface)
+            predrafter = cast("Predrafter", PacedPredrafter(predrafter, self.pacing))
+        self.engine = DraftingEngine(self.pacing, self.q_in, self.table, self.lock, self.send,
+                                     self.stats, config.max_batch, predrafter)  # fmt: skip
         self.router: router.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
         self.allow: auth.AllowList | None = None
@@ -148,8 +167,11 @@ class Hub:
     def _log_start(self) -> None:
         mode = (f"CURVE, {len(self.allow)} allowed target keys" if self.allow is not None
                 else "plain text, NOT encrypted or authenticated")  # fmt: skip
-        log.info("hub listening on %s (%s; draft %s, epoch %s)", self.endpoint, mode,
-                 self.welcome.model, self.epoch.hex())  # fmt: skip
+        gamma = (f"auto from {self.config.default_gamma}" if self.config.auto_gamma
+                 else str(self.config.gamma))  # fmt: skip
+        log.info("hub listening on %s (%s; draft %s, gamma %s of max %d, epoch %s)",
+                 self.endpoint, mode, self.welcome.model, gamma, self.config.max_gamma,
+                 self.epoch.hex())  # fmt: skip
 
     async def _drain(self) -> None:
         """Admit nothing new, deliver what is in flight, then tell every target we are going."""

@@ -41,13 +41,14 @@ class Limits:
 
     max_sessions: int
     max_sessions_per_target: int
-    default_gamma: int
+    default_gamma: int  # an OPEN with gamma 0 gets this (0..max_gamma; 0: decode alone)...
     max_gamma: int
     lease_s: float  # a target silent this long is presumed dead
     vocab_size: int
     max_positions: int | None
     feature_width: int = 0  # > 0: OPEN and DRAFT must carry features of this width...
     feature_dtype: str = "float16"  # ...and dtype
+    auto_gamma: bool = False  # ...and then, with --gamma auto, only to start with
 
 
 @dataclass
@@ -73,6 +74,10 @@ class Session:
     next_seq: int = 0
     in_flight: bool = True  # a job for it is queued or being drafted
     last_gamma: int = 0  # tokens in the proposal the next verdict refers to
+    gamma_fixed: bool = True  # False: --gamma auto chooses each round's gamma
+    # --gamma auto's per-session state (starsd.hub.policy.SessionPacing): set on the session's
+    # first job by the drafting thread under the lock, then the drafting thread's (as ``state``)
+    pacing: Any = None
 
 
 class SessionTable:
@@ -119,15 +124,20 @@ class SessionTable:
     # ------------------------------------------------------------------ sessions
 
     def open(self, peer: Peer, msg: Open, new_state: NewState) -> Session:
-        """A new session for ``msg`` with a fresh unguessable tag, its first job to queue."""
+        """A new session for ``msg`` with a fresh unguessable tag, its first job to queue.
+
+        An OPEN naming a gamma (1..max_gamma) keeps it; gamma 0 is the hub's choice: the
+        default, fixed, or under --gamma auto chosen each round (starting from the default).
+        """
         gamma = msg.gamma or self.limits.default_gamma
-        problem = self._open_problem(peer, msg, gamma)
+        problem = self._open_problem(peer, msg, msg.gamma)
         if problem is not None:
             raise Refused(*problem, ref=msg.ref)
         tag = secrets.token_bytes(protocol.TAG_BYTES)
         state = new_state(msg.prompt.tolist(), msg.sampling, gamma)
         session = Session(tag=tag, owner=peer.key, routing_id=peer.routing_id, state=state,
-                          length=msg.prompt.size)  # fmt: skip
+                          length=msg.prompt.size,
+                          gamma_fixed=msg.gamma != 0 or not self.limits.auto_gamma)  # fmt: skip
         self.sessions[tag] = session
         self.owned_by[peer.key] = self.owned_by.get(peer.key, 0) + 1
         peer.tags.add(tag)
@@ -210,7 +220,7 @@ class SessionTable:
         if held >= self._share_when_scarce():
             return ErrorCode.RESOURCE_EXHAUSTED, (
                 f"hub nearly full; this target already holds its share ({held} sessions)")
-        if not 1 <= gamma <= limits.max_gamma:
+        if gamma != 0 and not 1 <= gamma <= limits.max_gamma:  # (0: the hub's choice)
             return ErrorCode.INVALID_ARGUMENT, f"gamma {gamma} outside 1..{limits.max_gamma}"
         problem = self._token_problem(msg.prompt, allow_empty=False)
         if problem:

@@ -38,6 +38,13 @@ class ChainState:
     gamma: int
     generator: torch.Generator  # the session's own draws, whoever else is drafted
     proposed: list[int] = field(default_factory=list)  # the last proposal's draft tokens
+    drafted: int = 0  # draft tokens proposed so far (verdicts received)
+    kept: int = 0  # of which the target accepted
+
+    @property
+    def acceptance(self) -> float:
+        """The session's acceptance rate so far, with a flat prior (0.5 before any verdict)."""
+        return (self.kept + 1) / (self.drafted + 2)
 
 
 S = TypeVar("S", bound=ChainState)
@@ -83,6 +90,8 @@ def commit_verdict(state: ChainState, accepted: int, appended: tuple[int, ...]) 
     """Commit the first ``accepted`` proposed tokens, then ``appended``; forget the proposal."""
     state.tokens.extend(state.proposed[:accepted])
     state.tokens.extend(appended)
+    state.drafted += len(state.proposed)
+    state.kept += accepted
     state.proposed = []
 
 
@@ -115,11 +124,20 @@ class ChainRow(Generic[S]):
     gamma: int  # draft tokens this row proposes (its session's, fitted to the context)
     tokens: list[int] = field(default_factory=list)
     q_rows: list[torch.Tensor] = field(default_factory=list)  # [V] each, sampled sessions only
+    generator: torch.Generator | None = None  # a pre-draft branch's copy; None: the session's
+    # the draft's top tokens and probabilities at each drawn position, when pre-drafting wants
+    # them (None: not recorded)
+    alternatives: list[tuple[list[int], list[float]]] | None = None
 
     @property
     def state(self) -> S:
         """The session's draft state (owned by the drafting thread)."""
         return self.job.state
+
+    @property
+    def rng(self) -> torch.Generator:
+        """The generator this row draws with."""
+        return self.generator if self.generator is not None else self.state.generator
 
     def restart(self) -> None:
         """Forget what a failed batch drew, before the row is drafted again alone."""
@@ -142,17 +160,33 @@ def draw_step(logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int) -> t
     feeds its argmax, computed and then discarded.
     """
     fed = torch.argmax(logits, dim=-1)  # [B]
+    _record_alternatives(logits, rows, step)
     for i, row in enumerate(rows):
         if step >= row.gamma:
             continue
         if row.state.params.greedy:
             row.tokens.append(int(fed[i]))
             continue
-        token, q = draw(logits[i], row.state.params, row.state.generator)
+        token, q = draw(logits[i], row.state.params, row.rng)
         row.tokens.append(token)
         row.q_rows.append(q)  # type: ignore[arg-type]  # (a sampled draw returns q)
         fed[i] = token
     return fed
+
+
+ALTERNATIVES = 4  # top draft tokens recorded per position for pre-drafting's branches
+
+
+def _record_alternatives(logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int) -> None:
+    """The draft's top tokens at this position, for rows that record them (one batched top-k;
+    the plain softmax ranks branches for every session, greedy or not)."""
+    wanted = [i for i, row in enumerate(rows) if row.alternatives is not None and step < row.gamma]
+    if not wanted:
+        return
+    top = torch.softmax(logits[wanted].float(), dim=-1).topk(ALTERNATIVES, dim=-1)  # [b, F]
+    for j, i in enumerate(wanted):
+        rows[i].alternatives.append(  # type: ignore[union-attr]
+            (top.indices[j].tolist(), top.values[j].tolist()))
 
 
 def propose_batched(

@@ -8,6 +8,7 @@ forward, then ``gamma - 1`` batched decode steps, each row drawing with its own 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -33,13 +34,18 @@ class LlmState(ChainState):
     """A session of the draft LLM: the shared chain state plus its KV cache."""
 
     cache: SequenceCache = field(default_factory=SequenceCache)  # committed (+ drafted) positions
+    # the draft's top tokens at each position of the last proposal (pre-drafting's branches)
+    alternatives: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
 @dataclass
 class LlmRow(ChainRow[LlmState]):
-    """A job in a batch: the committed tokens its session feeds before drafting."""
+    """A job in a batch (or a pre-draft branch): the cache it drafts on and what it feeds."""
 
     feed: list[int] = field(default_factory=list)
+    source: SequenceCache = field(default_factory=SequenceCache)  # the cached prefix
+    whole: bool = True  # result holds source + new positions; False: the new positions only
+    cache: SequenceCache | None = None  # the result, once drafted
 
 
 class LlmProposer:
@@ -53,6 +59,7 @@ class LlmProposer:
         self.max_positions = draft.max_positions
         self.kv_shapes = models.kv_shapes(draft)  # (heads, head_dim) per layer
         self.dtype = next(draft.model.parameters()).dtype
+        self.record_alternatives = False  # set by the pre-drafter that reads them
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> LlmState:
         """A session's state with an empty cache; the prompt is fed with its first job."""
@@ -67,13 +74,24 @@ class LlmProposer:
         gamma = fitting_gamma(job.state, self.max_positions)
         if gamma < 1:
             return context_full(job)
-        return LlmRow(job, gamma, feed=feed)
+        alternatives: list[tuple[list[int], list[float]]] | None = (
+            [] if self.record_alternatives else None)  # fmt: skip
+        return LlmRow(job, gamma, feed=feed, source=job.state.cache, alternatives=alternatives)
 
     def _draft(self, rows: list[LlmRow]) -> None:
-        batch = RaggedBatch(tuple(r.state.cache.length for r in rows),
-                            tuple(len(r.feed) for r in rows),
+        for _ in self.draft_steps(rows):
+            pass
+        for row in rows:  # commit only once every row has drawn
+            assert row.cache is not None
+            row.state.cache = row.cache
+            row.state.alternatives = row.alternatives or []
+
+    def draft_steps(self, rows: list[LlmRow]) -> Iterator[None]:
+        """Draft ``rows`` together, pausing after each forward (pre-drafting runs one forward at
+        a time between real jobs). Fills each row's tokens and ``cache``; commits nothing."""
+        batch = RaggedBatch(tuple(r.source.length for r in rows), tuple(len(r.feed) for r in rows),
                             max(r.gamma for r in rows) - 1)  # fmt: skip
-        buffers = batch.gather([r.state.cache for r in rows], self.kv_shapes, self.dtype,
+        buffers = batch.gather([r.source for r in rows], self.kv_shapes, self.dtype,
                                self.draft.device)  # fmt: skip
         filled = batch.cached_width + batch.fed_width
         logits, _ = models.forward_batch(self.draft, batch.input_ids([r.feed for r in rows]),
@@ -83,9 +101,19 @@ class LlmProposer:
         for step in range(batch.steps + 1):
             fed = draw_step(logits, rows, step)  # [B]
             if step < batch.steps:
+                yield
                 logits = self._step(batch, buffers, fed, step, filled)  # [B, V]
-        for i, row in enumerate(rows):  # commit only once every row has drawn
-            row.state.cache = batch.scatter(buffers, i, row.gamma - 1)
+        for i, row in enumerate(rows):
+            row.cache = batch.scatter(buffers, i, row.gamma - 1, keep_cached=row.whole)
+
+    def next_logits(self, caches: list[SequenceCache], tokens: list[int]) -> torch.Tensor:
+        """The draft's logits [B, V] after feeding one token on each cache (nothing kept)."""
+        batch = RaggedBatch(tuple(c.length for c in caches), (1,) * len(caches), 0)
+        buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.draft.device)
+        logits, _ = models.forward_batch(self.draft, batch.input_ids([[t] for t in tokens]),
+                                         batch.feed_positions(),
+                                         batch.key_mask(batch.capacity), buffers)  # fmt: skip
+        return logits[:, 0]
 
     def _step(self, batch: RaggedBatch, buffers: list, fed: torch.Tensor, step: int,
               filled: int) -> torch.Tensor:  # fmt: skip

@@ -1,0 +1,237 @@
+"""Pre-drafting: while no real job waits, draft ahead for the verdicts most likely to come back.
+
+Drafting thread only: the engine creates, calls and owns the :class:`Predrafter`; nothing here is
+shared with the event loop. Draft LLM only: an EAGLE draft needs the target's features of the
+tokens a verdict commits, which exist only once the verdict arrives.
+
+After a proposal d_1..d_gamma goes out, its verdict commits d_1..d_k and one token c of the
+target's: for k < gamma a correction (c != d_{k+1}), for k = gamma the bonus. A *branch* (k, c) is
+the proposal drafting would make after that verdict, drafted now. Branches are ranked by the
+draft's own estimate of how likely that verdict is::
+
+    P(k, c) ~ q_1(d_1) * ... * q_k(d_k) * q_{k+1}(c)
+
+(its confidence in the tokens accepted, then in c among the alternatives at k + 1; the rejection
+factor 1 - q(d_{k+1}) cancels against renormalising q without d_{k+1}). q_{gamma+1} needs one more
+forward, the *probe*, feeding d_gamma. A verdict that matches a finished branch (same k, the one
+appended token c, the same gamma) is answered from it with no model work: the session takes the
+branch's tokens, q rows, KV positions and generator state, which are exactly what drafting after
+that verdict would have produced, because the branch drew with a copy of the session's generator
+as it stood and fed the same committed prefix. Any other verdict drops the session's branches
+and is drafted as usual, from session state that pre-drafting never touched.
+
+Real jobs come first: the engine calls :meth:`Predrafter.step` only while Q_in is empty, and a
+step is one forward of at most ``rows`` rows, so a job that arrives waits for one small step.
+Memory is bounded: at most ``branches`` branches per session (gamma positions of KV each, stored
+apart from the session's cache) and at most ``max_sessions`` sessions waiting for verdicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from starsd.hub.drafters.base import DraftJob, commit_verdict, make_proposal
+from starsd.hub.drafters.llm import LlmProposer, LlmRow, LlmState
+from starsd.protocol import Proposal
+
+log = logging.getLogger("starsd.hub")
+
+
+@dataclass
+class Waiting:
+    """A session whose proposal is out: its finished branches, keyed by (k, c)."""
+
+    tag: bytes
+    state: LlmState
+    branches: dict[tuple[int, int], LlmRow] = field(default_factory=dict)
+
+
+@dataclass
+class PredraftStats:
+    """Drafting-thread counters (read by the engine, which copies them under the hub lock)."""
+
+    hits: int = 0  # verdicts answered from a branch
+    answered: int = 0  # verdicts of sessions that had been offered for pre-drafting
+    branches: int = 0  # branches drafted
+    busy_s: float = 0.0  # time spent pre-drafting (off the critical path by construction)
+
+
+class Predrafter:
+    """Branches for the sessions whose verdicts are out, drafted one forward at a time."""
+
+    def __init__(self, proposer: LlmProposer, branches: int = 4, rows: int = 32,
+                 max_sessions: int = 256) -> None:  # fmt: skip
+        proposer.record_alternatives = True  # the top-k per position that branches come from
+        self.proposer = proposer
+        self.branches = branches
+        self.rows = rows
+        self.max_sessions = max_sessions
+        self.waiting: OrderedDict[bytes, Waiting] = OrderedDict()  # oldest first
+        self.to_probe: list[Waiting] = []
+        self.to_draft: list[tuple[Waiting, LlmRow]] = []
+        self.running: tuple[Iterator[None], list[tuple[Waiting, LlmRow]]] | None = None
+        self.stats = PredraftStats()
+
+    # ------------------------------------------------------------------ the engine's calls
+
+    def offer(self, tag: bytes, state: LlmState) -> None:
+        """Session ``tag`` just got a proposal: pre-draft its likely verdicts when idle."""
+        if not state.proposed or len(state.alternatives) != len(state.proposed):
+            return
+        self.waiting.pop(tag, None)
+        while len(self.waiting) >= self.max_sessions:
+            self.waiting.popitem(last=False)
+        waiting = Waiting(tag, state)
+        self.waiting[tag] = waiting
+        self.to_probe.append(waiting)
+
+    def has_work(self) -> bool:
+        """Whether a pre-draft step would do anything."""
+        return bool(self.running or self.to_probe or self.to_draft)
+
+    def answer(self, job: DraftJob) -> Proposal | None:
+        """The proposal for ``job`` from a matching branch, or None (draft it as usual)."""
+        waiting = self.waiting.pop(job.tag, None)
+        if waiting is None or waiting.state is not job.state:
+            return None
+        self.stats.answered += 1
+        branch = self._match(waiting, job)
+        if branch is None:
+            return None
+        self.stats.hits += 1
+        return self._take(job, branch)
+
+    def step(self) -> None:
+        """One forward of pre-draft work: advance a branch batch, probe, or start a batch."""
+        started = time.perf_counter()
+        try:
+            if self.running is None and not self._start():
+                return
+            self._advance()
+        except Exception:  # pre-drafting is an optimisation: drop the work, keep drafting
+            log.exception("pre-drafting failed; dropping %d branches", len(self._running_items()))
+            self.running = None
+        finally:
+            self.stats.busy_s += time.perf_counter() - started
+
+    # ------------------------------------------------------------------ branches
+
+    def _start(self) -> bool:
+        """Probe waiting sessions, else start drafting queued branches; False if no work."""
+        if self.to_probe:
+            self._probe()
+            return False  # the probe was this step's forward
+        items = [(w, row) for w, row in self.to_draft[: self.rows] if self._alive(w)]
+        del self.to_draft[: self.rows]
+        if not items:
+            return False
+        self.running = (self.proposer.draft_steps([row for _, row in items]), items)
+        return True
+
+    def _advance(self) -> None:
+        assert self.running is not None
+        steps, items = self.running
+        if next(steps, StopIteration) is StopIteration:
+            self.running = None
+            for waiting, row in items:
+                if self._alive(waiting):
+                    key = (row.job.accepted, row.job.appended[0])
+                    waiting.branches[key] = row
+                    self.stats.branches += 1
+
+    def _probe(self) -> None:
+        """The draft's alternatives for the bonus token, then every session's best branches."""
+        batch = [w for w in self.to_probe[: self.rows] if self._alive(w)]
+        del self.to_probe[: self.rows]
+        if not batch:
+            return
+        logits = self.proposer.next_logits([w.state.cache for w in batch],
+                                           [w.state.proposed[-1] for w in batch])  # [B, V]
+        top = torch.softmax(logits.float(), dim=-1).topk(self.branches, dim=-1)
+        for i, waiting in enumerate(batch):
+            bonus = (top.indices[i].tolist(), top.values[i].tolist())
+            self.to_draft.extend((waiting, row) for row in self._rows(waiting, bonus))
+
+    def _rows(self, waiting: Waiting, bonus: tuple[list[int], list[float]]) -> list[LlmRow]:
+        """Rows for the session's most likely verdicts (k, c), most likely first."""
+        state = waiting.state
+        ranked = sorted(_verdicts(state.proposed, [*state.alternatives, bonus], state.acceptance),
+                        reverse=True)  # fmt: skip
+        rows = []
+        for _, k, token in ranked[: self.branches]:
+            row = self._row(waiting, k, token)
+            if row is not None:
+                rows.append(row)
+        return rows
+
+    def _row(self, waiting: Waiting, k: int, token: int) -> LlmRow | None:
+        state = waiting.state
+        committed = [*state.tokens, *state.proposed[:k], token]
+        gamma = self._gamma(state, len(committed))
+        if gamma < 1:
+            return None
+        prefix = min(state.cache.length, len(state.tokens) + k)  # as apply_verdict would crop
+        generator = torch.Generator().set_state(state.generator.get_state())
+        job = DraftJob(waiting.tag, -1, state, k, (token,))
+        return LlmRow(job, gamma, feed=committed[prefix:], source=state.cache.prefix(prefix),
+                      whole=False, generator=generator, alternatives=[])  # fmt: skip
+
+    def _match(self, waiting: Waiting, job: DraftJob) -> LlmRow | None:
+        if len(job.appended) != 1:
+            return None
+        row = waiting.branches.get((job.accepted, job.appended[0]))
+        committed = len(waiting.state.tokens) + job.accepted + 1
+        if row is None or row.gamma != self._gamma(waiting.state, committed):
+            return None
+        return row
+
+    def _take(self, job: DraftJob, row: LlmRow) -> Proposal:
+        """Commit the verdict and the branch into the session: what drafting would have done."""
+        state: LlmState = job.state
+        prefix = min(state.cache.length, len(state.tokens) + job.accepted)
+        commit_verdict(state, job.accepted, job.appended)
+        assert row.cache is not None
+        state.cache = state.cache.prefix(prefix).extended(row.cache)
+        state.generator.set_state(row.rng.get_state())
+        state.alternatives = row.alternatives or []
+        state.proposed = row.tokens
+        return make_proposal(job, row.tokens, row.q_rows, state.params)
+
+    def _gamma(self, state: LlmState, committed: int) -> int:
+        limit = self.proposer.max_positions
+        return state.gamma if limit is None else min(state.gamma, limit - committed)
+
+    def _alive(self, waiting: Waiting) -> bool:
+        return self.waiting.get(waiting.tag) is waiting
+
+    def _running_items(self) -> list[tuple[Waiting, LlmRow]]:
+        return self.running[1] if self.running else []
+
+
+def _verdicts(proposed: list[int], alternatives: list[tuple[list[int], list[float]]],
+              alpha: float) -> list[tuple[float, int, int]]:  # fmt: skip
+    """(estimated probability, k, c) of every verdict the alternatives allow.
+
+    The session's acceptance rate ``alpha`` says how far the target goes (the draft's own
+    probabilities are too flat for that: a trained draft's top token is accepted far more often
+    than its probability says); q says which token it then emits, renormalised without the
+    rejected draft token for a correction.
+    """
+    out: list[tuple[float, int, int]] = []
+    reach = 1.0  # estimated probability that d_1..d_k are all accepted
+    for k, (ids, probs) in enumerate(alternatives):
+        if k == len(proposed):  # all accepted: the bonus token
+            out.extend((reach * p, k, c) for c, p in zip(ids, probs, strict=True))
+            break
+        drafted = proposed[k]
+        q_drafted = dict(zip(ids, probs, strict=True)).get(drafted, 0.0)
+        rejected = reach * (1 - alpha) / max(1e-6, 1 - q_drafted)
+        out.extend((rejected * p, k, c) for c, p in zip(ids, probs, strict=True) if c != drafted)
+        reach *= alpha
+    return out

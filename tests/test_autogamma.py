@@ -1,0 +1,399 @@
+"""--gamma auto through a real hub (in process, loopback): OPEN rules, gamma 0 on the wire, the
+target's spans alone staying lossless, the stats line, and the command line.
+
+Each test names the bug it catches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import PROMPT, RawTarget
+from test_eagle import eagle_state, write_head
+from test_hub import _greedy_reference
+
+from edge.client import HubClient, TargetInfo
+from edge.speculate import generate_speculative
+from edge.target import generate_standalone
+from edge.verifier import TargetSequence
+from starsd import hub as hub_module
+from starsd import models, transport
+from starsd.hub.drafters.base import (
+    ChainState,
+    DraftJob,
+    commit_verdict,
+    make_proposal,
+    new_chain_state,
+)
+from starsd.hub.pacing import PacedProposer
+from starsd.hub.policy import GammaPolicy, Load, PolicyParams, SessionPacing
+from starsd.hub.sessions import Limits, SessionTable
+from starsd.protocol import Draft, Error, Open, Opened, Proposal, SamplingParams
+
+
+@contextlib.asynccontextmanager
+async def serving(config: hub_module.HubConfig,
+                  policy: GammaPolicy | None = None) -> AsyncIterator[hub_module.Hub]:  # fmt: skip
+    hub = hub_module.build_hub(config)
+    if policy is not None:
+        hub.pacing.policy = policy
+    ctx = transport.new_context()
+    task = asyncio.create_task(hub.serve(ctx))
+    while not hub.endpoint:
+        await asyncio.sleep(0.01)
+    try:
+        yield hub
+    finally:
+        hub.stop()
+        await asyncio.wait_for(task, 10)
+        ctx.term()
+
+
+def _config(model: Path, **kw: object) -> hub_module.HubConfig:
+    return hub_module.HubConfig(model=str(model), bind="tcp://127.0.0.1:*", stats_interval=3600,
+                                **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+class Alternating(GammaPolicy):
+    """Drafts and decodes alone by turns, whatever the estimate says: every round of a
+    session alone follows a verdict, held, and a probe after it must merge it back."""
+
+    CYCLE = (4, 0, 2, 0, 1, 0, 3, 0, 0)
+
+    def __init__(self, span: int = 3) -> None:
+        super().__init__(PolicyParams(max_gamma=16, alone_tokens=span, max_alone=span))
+        self.turn: dict[int, int] = {}
+
+    def next_round(self, s: SessionPacing, load: Load | None, probe: bool = False) -> int:
+        turn = self.turn.get(id(s), 0)
+        self.turn[id(s)] = turn + 1
+        s.chosen = self.CYCLE[turn % len(self.CYCLE)]
+        return s.chosen
+
+
+async def _decode(
+    endpoint: str, target: models.LoadedModel, prompts: list[list[int]], n: int,
+    params: SamplingParams, features: bool = False,
+) -> list[TargetSequence]:  # fmt: skip
+    ctx = transport.new_context()
+    width = models.hidden_size(target) if features else 0
+    client = HubClient(ctx, endpoint, TargetInfo("t", target.vocab_size,
+                                                 target.tokenizer_fingerprint, width))  # fmt: skip
+    await client.connect()
+    seqs = [TargetSequence(target, p, params, n, collect_features=features) for p in prompts]
+    try:
+        with ThreadPoolExecutor(1) as pool:  # gamma 0: the hub's choice
+            await asyncio.gather(*(generate_speculative(client, s, 0, pool) for s in seqs))
+    finally:
+        await client.aclose()
+        ctx.term()
+    return seqs
+
+
+PROMPTS = [[5, 17, 33, 8], [1], list(range(40, 60))]
+
+
+async def test_spans_alone_between_drafts_stay_lossless(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
+) -> None:
+    """Catches a held verdict lost or applied twice when a span alone ends (the draft would
+    continue from the wrong prefix: no effect on the output, but rounds would then reject
+    nearly everything, and the hub's tokens would differ from the target's), a target that
+    ignores ``alone`` or counts its span wrong (the output would differ from generate())."""
+    async with serving(_config(llama_pair[1]), Alternating()) as hub:
+        seqs = await _decode(hub.endpoint, llama_target, PROMPTS, 40, SamplingParams())
+        with hub.lock:
+            (peer,) = hub.table.peers.values()
+            line = peer.stats.line()
+    for prompt, seq in zip(PROMPTS, seqs, strict=True):
+        assert seq.generated == _greedy_reference(llama_target, prompt, 40)
+        assert seq.stats.alone_steps > 0 and seq.stats.standalone_steps == 0
+    assert sum(s.stats.accepted for s in seqs) > 0 and sum(s.stats.rounds for s in seqs) > 6
+    assert peer.stats.alone_rounds > 0 and "gamma0=0.000" not in line
+
+
+async def test_spans_alone_with_eagle_carry_their_features(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel, tmp_path: Path
+) -> None:
+    """Catches feature rows of a span alone merged more than once or in the wrong shape: the
+    EAGLE proposer refuses rows beyond its uncached tokens, so the session fails with INTERNAL
+    and is re-opened (the output alone would not show it). Rows lost or out of order only
+    make drafts worse: test_held_verdict_and_spans_reach_the_proposer_once_in_order."""
+    head = write_head(tmp_path / "head", llama_pair[0], eagle_state(llama_pair[0]))
+    config = _config(head, draft_kind="eagle", target=str(llama_pair[0]))
+    async with serving(config, Alternating()) as hub:
+        seqs = await _decode(hub.endpoint, llama_target, PROMPTS[:2], 30, SamplingParams(),
+                             features=True)  # fmt: skip
+        with hub.lock:
+            (peer,) = hub.table.peers.values()
+            assert hub.stats.errors_sent == 0 and peer.stats.sessions == len(seqs)  # no re-open
+    for prompt, seq in zip(PROMPTS, seqs, strict=False):
+        assert seq.generated == _greedy_reference(llama_target, prompt, 30)
+        assert seq.stats.alone_steps > 0 and seq.stats.standalone_steps == 0
+        assert seq.stats.rounds > 3
+
+
+async def test_gamma_0_hub_eos_inside_a_span_stops_exactly(
+    llama_pair: tuple[Path, Path]
+) -> None:
+    """Catches a span alone that runs past EOS (or stops short of it): every token here is
+    decoded alone, in spans of 5, and the EOS falls in the middle of one."""
+    target = models.load_causal_lm(llama_pair[0])
+    prompt = [5, 17, 33, 8]
+    eos = _greedy_reference(target, prompt, 30)[12]
+    target = models.LoadedModel(**{**target.__dict__, "eos_token_ids": frozenset({eos})})
+    expected = _greedy_reference(target, prompt, 30)
+    assert expected[-1] == eos and len(expected) % 5 not in (0, 1)  # not a span's edge
+    spans = GammaPolicy(PolicyParams(max_gamma=16, start_gamma=1, alone_tokens=5, max_alone=5))
+    async with serving(_config(llama_pair[1], gamma=0), spans) as hub:
+        (seq,) = await _decode(hub.endpoint, target, [prompt], 30, SamplingParams())
+        with hub.lock:
+            (peer,) = hub.table.peers.values()
+            line = peer.stats.line()
+    assert seq.generated == expected
+    assert seq.stats.alone_steps == len(expected) and seq.stats.rounds == 0
+    assert "gamma=0.00 gamma0=1.000" in line  # the stats line shows the choice
+
+
+async def test_sampled_spans_alone_use_the_targets_own_generator(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
+) -> None:
+    """Catches a sampled span alone that draws from anything but the target's own generator
+    (a fresh one, the hub's seed): with every token decoded alone the output must equal the
+    target alone with the same seed, draw for draw."""
+    params = SamplingParams(temperature=0.9, top_k=50, seed=11)
+    spans = GammaPolicy(PolicyParams(max_gamma=16, start_gamma=1, alone_tokens=7, max_alone=7))
+    async with serving(_config(llama_pair[1], gamma=0), spans) as hub:
+        (seq,) = await _decode(hub.endpoint, llama_target, [PROMPTS[0]], 30, params)
+    alone = generate_standalone(TargetSequence(llama_target, PROMPTS[0], params, 30))
+    assert seq.generated == alone.generated and seq.stats.alone_steps == 30
+
+
+class Recorder:
+    """A proposer that records the jobs it is given and proposes ``state.gamma`` tokens."""
+
+    kind, feature_width, max_positions = "recorder", 0, None
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[int, int, tuple[int, ...], list[list[int]] | None]] = []
+
+    def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> ChainState:
+        return new_chain_state(prompt, params, gamma)
+
+    def propose(self, jobs: list[DraftJob]) -> list[Proposal | Error]:
+        for job in jobs:
+            rows = None if job.features is None else job.features[:, 0].tolist()
+            self.jobs.append((job.seq, job.accepted, job.appended, rows))
+            commit_verdict(job.state, job.accepted, job.appended)
+            job.state.proposed = [1] * job.state.gamma
+        return [make_proposal(job, job.state.proposed, [], job.state.params) for job in jobs]
+
+
+class Scripted(GammaPolicy):
+    def __init__(self, gammas: list[int]) -> None:
+        super().__init__(PolicyParams(max_gamma=8, alone_tokens=4, max_alone=4))
+        self.gammas = gammas
+
+    def next_round(self, s: SessionPacing, load: Load | None, probe: bool = False) -> int:
+        s.chosen = self.gammas.pop(0)
+        return s.chosen
+
+
+def test_held_verdict_and_spans_reach_the_proposer_once_in_order() -> None:
+    """Catches the glue around gamma 0: a held verdict lost, applied twice or with its
+    accepted count reset; a span's tokens or feature rows dropped or out of order (EAGLE would
+    draft from the wrong features); a proposer asked to draft gamma 0; a PROPOSAL for gamma 0
+    with tokens or without ``alone``."""
+    limits = Limits(max_sessions=4, max_sessions_per_target=4, default_gamma=4, max_gamma=8,
+                    lease_s=3.0, vocab_size=100, max_positions=None, auto_gamma=True)  # fmt: skip
+    table, lock, inner = SessionTable(limits), threading.Lock(), Recorder()
+    peer = table.welcome(b"p", b"p", "p")
+    assert peer is not None
+    session = table.open(peer, Open(1, PROMPT, SamplingParams(), 0), inner.new_state)
+    paced = PacedProposer(inner, table, lock, Scripted([2, 0, 0, 3]))
+
+    def job(seq: int, accepted: int, appended: list[int], rows: list[int]) -> DraftJob:
+        features = np.array([[r, 0.0] for r in rows], np.float16).reshape(-1, 2)
+        return DraftJob(session.tag, seq, session.state, accepted, tuple(appended),
+                        features=features)  # fmt: skip
+
+    replies = [paced.propose([j])[0] for j in (
+        job(0, 0, [], [0, 1, 2]), job(1, 1, [9], [3, 4]), job(2, 0, [10, 11, 12], [5, 6, 7]),
+        job(3, 0, [13], [8]))]  # fmt: skip
+    assert [len(r.tokens) for r in replies if isinstance(r, Proposal)] == [2, 0, 0, 3]
+    assert [r.alone for r in replies if isinstance(r, Proposal)] == [0, 4, 4, 0]
+    assert inner.jobs == [(0, 0, (), [0, 1, 2]),
+                          (3, 1, (9, 10, 11, 12, 13), [3, 4, 5, 6, 7, 8])]  # fmt: skip
+    assert session.state.tokens == [*PROMPT.tolist(), 1, 9, 10, 11, 12, 13]
+    assert session.pacing is not None and session.pacing.pending is None
+
+
+async def _rounds(raw: RawTarget, tag: bytes, first: Proposal, rounds: int,
+                  ) -> tuple[list[Proposal], list[int]]:  # fmt: skip
+    """Reject every draft for ``rounds`` rounds (answering a span alone with its tokens);
+    returns the proposals and every token committed."""
+    proposals, committed, proposal = [first], [], first
+    for seq in range(1, rounds + 1):
+        appended = [7 + seq % 5] * (proposal.alone if proposal.alone else 1)
+        committed += appended
+        await raw.send(Draft(tag, seq, 0, np.array(appended, np.int32)))
+        proposal = await raw.recv()
+        assert isinstance(proposal, Proposal) and proposal.seq == seq, proposal
+        proposals.append(proposal)
+    return proposals, committed
+
+
+async def test_open_with_a_gamma_keeps_it_and_open_0_gets_the_policy(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Catches --gamma auto overriding a gamma the OPEN named (all its drafts are rejected,
+    which would switch an auto session off), an auto session that never switches off when
+    nothing is accepted, an empty proposal without ``alone``, a held verdict not merged back
+    (the hub's tokens would miss the span), and a stats line without the choice."""
+    # The default policy but for short spans alone: 20 rounds of doubling spans from 16 would
+    # fill the tiny draft's 256 positions (CONTEXT_FULL, rightly).
+    short_spans = GammaPolicy(PolicyParams(alone_tokens=4, max_alone=8))
+    async with serving(_config(llama_pair[1]), short_spans) as hub:
+        fixed, auto = RawTarget(hub.endpoint), RawTarget(hub.endpoint)
+        try:
+            assert (await fixed.hello(llama_target)).default_gamma == 4
+            await auto.hello(llama_target)
+            await fixed.send(Open(1, PROMPT, SamplingParams(), 3))
+            await auto.send(Open(1, PROMPT, SamplingParams(), 0))
+            (f_opened, f_first), (a_opened, a_first) = [
+                (await t.recv(), await t.recv()) for t in (fixed, auto)]  # fmt: skip
+            assert isinstance(f_opened, Opened) and isinstance(a_opened, Opened)
+            assert isinstance(f_first, Proposal) and isinstance(a_first, Proposal)
+            f_props, _ = await _rounds(fixed, f_opened.tag, f_first, 12)
+            a_props, committed = await _rounds(auto, a_opened.tag, a_first, 20)
+            with hub.lock:
+                tokens = list(hub.sessions[a_opened.tag].state.tokens)
+                lines = {p.routing_id: p.stats.line() for p in hub.table.peers.values()}
+            with caplog.at_level(logging.INFO, logger="starsd.hub"):
+                hub._log_stats()
+        finally:
+            fixed.close()
+            auto.close()
+    assert [len(p.tokens) for p in f_props] == [3] * 13 and not any(p.alone for p in f_props)
+    assert len(a_first.tokens) == 4  # the starting gamma, before any data
+    spans = [i for i, p in enumerate(a_props) if p.alone]
+    assert spans, [len(p.tokens) for p in a_props]
+    assert all(len(a_props[i].tokens) == 0 for i in spans)
+    assert all(len(a_props[i + 1].tokens) >= 1 for i in spans if i + 1 < len(a_props))  # probe
+    last_drafted = max(i for i, p in enumerate(a_props) if len(p.tokens))
+    expected = PROMPT.tolist() + committed[: sum(
+        p.alone or 1 for p in a_props[:last_drafted])]  # fmt: skip
+    assert tokens == expected  # every span's tokens reached the draft state, once
+    fixed_line, auto_line = sorted(lines.values(), key=lambda line: "gamma=3.00" not in line)
+    assert "gamma=3.00 gamma0=0.000" in fixed_line
+    assert "gamma0=0.000" not in auto_line
+    assert "gamma=3.00 gamma0=0.000" in caplog.text  # the periodic stats line
+
+
+def test_gamma_outside_its_range_or_not_auto_is_refused_at_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Catches --gamma accepted outside 0..--max-gamma or as any word but auto (the hub would
+    start and refuse, or crash on, every OPEN), and auto no longer the default."""
+    from starsd.hub.__main__ import parse_args
+
+    assert parse_args([]).gamma == "auto" and parse_args([]).default_gamma == 4
+    assert parse_args(["--gamma", "0"]).gamma == 0
+    assert parse_args(["--gamma", "8", "--max-gamma", "8"]).gamma == 8
+    assert parse_args(["--gamma", "auto", "--max-gamma", "2"]).default_gamma == 2
+    for argv in (["--gamma", "17"], ["--gamma", "-1"], ["--gamma", "fast"],
+                 ["--gamma", "4.5"], ["--gamma", "9", "--max-gamma", "8"],
+                 ["--max-gamma", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            parse_args(argv)
+        assert exc.value.code == 2, argv
+    assert "--gamma must be auto or in 0..16" in capsys.readouterr().err
+    for bad in (17, -1, "fast", True):
+        with pytest.raises(ValueError):
+            hub_module.HubConfig(model="m", gamma=bad)  # type: ignore[arg-type]
+
+
+def _paced_side(draft: models.LoadedModel, gammas: list[int], predrafting: bool) -> tuple:
+    """(session, paced proposer, paced pre-drafter or None) of one auto session whose policy
+    says ``gammas`` in turn (spans alone of one token), over a draft LLM proposer."""
+    from starsd.hub.drafters.llm import LlmProposer
+    from starsd.hub.pacing import PacedPredrafter
+    from starsd.hub.predraft import Predrafter
+
+    limits = Limits(max_sessions=4, max_sessions_per_target=4, default_gamma=4, max_gamma=8,
+                    lease_s=3.0, vocab_size=draft.vocab_size, max_positions=draft.max_positions,
+                    auto_gamma=True)  # fmt: skip
+    table, lock, inner = SessionTable(limits), threading.Lock(), LlmProposer(draft)
+    peer = table.welcome(b"p", b"p", "p")
+    assert peer is not None
+    session = table.open(peer, Open(1, PROMPT, SamplingParams(), 0), inner.new_state)
+    policy = Scripted(list(gammas))
+    policy.params = PolicyParams(max_gamma=8, alone_tokens=1, max_alone=1)
+    paced = PacedProposer(inner, table, lock, policy)
+    pre = PacedPredrafter(Predrafter(inner, branches=4), paced) if predrafting else None
+    return session, paced, pre
+
+
+def test_pre_drafting_follows_the_policy_and_never_answers_a_held_verdict(
+    llama_pair: tuple[Path, Path],
+) -> None:
+    """Catches pre-drafting and --gamma auto stepping on each other, with the engine's calls
+    made by hand (answer each job, propose the rest, offer what went out, idle steps): a branch
+    answering a round the policy gave another gamma (or gamma 0), a session offered while its
+    verdict is held (a 1-token span would then match a branch of the old proposal and commit
+    the wrong verdict), and a hit the policy does not learn from. The same session drafted
+    without a pre-drafter must get the same proposal every round."""
+    gammas = [3, 3, 2, 0, 2, 2, 2]  # drafted, hit, miss (new gamma), alone, probe, hit, hit
+    draft = models.load_causal_lm(llama_pair[1])
+    sides = [_paced_side(draft, gammas, predrafting) for predrafting in (True, False)]
+
+    def answer(side: tuple, job: DraftJob) -> tuple[Proposal, bool]:
+        _, paced, pre = side
+        hit = pre.answer(job) if pre is not None else None
+        reply = hit if hit is not None else paced.propose([job])[0]
+        assert isinstance(reply, Proposal), reply
+        if pre is not None:
+            pre.offer(job.tag, job.state)
+            while pre.has_work():
+                pre.step()
+        return reply, hit is not None
+
+    def branch_keys() -> list[tuple[int, int]]:
+        session, _, pre = sides[0]
+        waiting = pre.inner.waiting.get(session.tag)
+        return sorted(waiting.branches) if waiting is not None else []
+
+    verdict: tuple[int, tuple[int, ...]] = (0, ())
+    hits, seen_alone = [], False
+    for seq in range(len(gammas)):
+        held_keys = branch_keys()  # the branches of the proposal this verdict answers
+        replies = []
+        for side in sides:
+            job = DraftJob(side[0].tag, seq, side[0].state, *verdict)
+            replies.append(answer(side, job))
+        (a, hit), (b, _) = replies
+        assert a.tokens.tolist() == b.tokens.tolist() and a.alone == b.alone, seq
+        hits.append(hit)
+        if hit:  # the policy saw the round go out (and learns from the next verdict)
+            pacing = sides[0][0].pacing
+            assert pacing.decision is None and pacing.last_gamma == len(a.tokens)
+        if a.alone:  # the span: a token a branch of the held proposal was drafted for
+            assert sides[0][0].tag not in sides[0][2].inner.waiting  # not even its probe
+            seen_alone = True
+            verdict = (0, (next(c for k, c in held_keys if k == 0),))
+        else:  # a verdict a branch was drafted for
+            k, c = branch_keys()[-1]
+            verdict = (min(k, len(a.tokens)), (c,))
+    assert seen_alone and hits == [False, True, False, False, False, True, True]
+    assert sides[0][0].state.tokens == sides[1][0].state.tokens
+    pacing = sides[0][0].pacing
+    assert pacing is not None and pacing.last_gamma == 2 and pacing.pending is None

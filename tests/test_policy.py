@@ -1,0 +1,236 @@
+"""The --gamma auto policy without a hub: acceptance estimate, cost fits, load, the choice.
+
+Each test names the bug it catches. Everything is pure and seeded; times are made up.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from starsd.hub.policy import (
+    AcceptanceEstimate,
+    GammaPolicy,
+    Load,
+    LoadMeter,
+    PolicyParams,
+    ServiceModel,
+    SessionPacing,
+)
+
+G = 16
+
+
+def _verdict(rng: random.Random, alphas: list[float], proposed: int) -> int:
+    """Accepted drafts of one round: position i kept with probability alphas[i - 1] given
+    every earlier one was."""
+    accepted = 0
+    while accepted < proposed and rng.random() < alphas[min(accepted, len(alphas) - 1)]:
+        accepted += 1
+    return accepted
+
+
+def _estimate_after(rounds: list[tuple[float, int]], seed: int) -> AcceptanceEstimate:
+    """An estimate fed ``(alpha, count)`` phases of verdicts at gamma 4."""
+    rng, est = random.Random(seed), AcceptanceEstimate(G)
+    for alpha, count in rounds:
+        for _ in range(count):
+            est.observe(4, _verdict(rng, [alpha], 4))
+    return est
+
+
+def test_estimate_converges_and_reconverges_within_50_rounds() -> None:
+    """Catches an estimate that does not forget (after 100 rounds at 0.9 and 50 at 0.3 it would
+    still say ~0.7), forgets too slowly to settle in 50 rounds, or is biased; over 200 seeded
+    runs, so that the bounds hold for the estimator and not for one lucky draw."""
+    before = [_estimate_after([(0.9, 100)], seed) for seed in range(200)]
+    after = [_estimate_after([(0.9, 100), (0.3, 50)], seed) for seed in range(200)]
+    for runs, alpha in ((before, 0.9), (after, 0.3)):
+        firsts = [est.alphas()[0] for est in runs]
+        assert statistics.fmean(firsts) == pytest.approx(alpha, abs=0.04)
+        rms = statistics.fmean((a - alpha) ** 2 for a in firsts) ** 0.5
+        assert rms < 0.15
+        # E[L(4)], what the policy uses, from the i.i.d. formula
+        exact = sum(alpha**k for k in range(5))
+        mean_el = statistics.fmean(est.expected_tokens()[4] for est in runs)
+        assert mean_el == pytest.approx(exact, rel=0.1)
+
+
+def test_estimate_is_per_position_and_conditional() -> None:
+    """Catches observing position i whenever the proposal had i tokens (the unconditional
+    P(accepted >= i)): alpha_2 would then read 0.9 * 0.5 = 0.45, and E[L] would multiply it
+    by alpha_1 a second time."""
+    rng, est = random.Random(1), AcceptanceEstimate(G, forget=0.999)
+    truth = [0.9, 0.5, 0.8, 0.8]
+    for _ in range(3000):
+        est.observe(4, _verdict(rng, truth, 4))
+    assert est.alphas()[:4] == pytest.approx(truth, abs=0.05)
+    expected = 1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.8 + 0.9 * 0.5 * 0.8 * 0.8
+    assert est.expected_tokens()[4] == pytest.approx(expected, rel=0.03)
+    assert est.expected_tokens()[0] == 1.0
+
+
+def test_a_position_no_longer_reached_falls_back_to_the_pooled_estimate() -> None:
+    """Catches forgetting only the positions a verdict observes: after acceptance drops and
+    the session drafts 1 token, alpha_8 would keep its old 0.9 for ever, and E[L(8)] would
+    make the next long proposal look worth it."""
+    rng, est = random.Random(2), AcceptanceEstimate(G)
+    for _ in range(100):
+        est.observe(8, _verdict(rng, [0.9], 8))
+    assert est.alphas()[7] > 0.8
+    for _ in range(100):
+        est.observe(1, _verdict(rng, [0.3], 1))
+    assert est.alphas()[7] == pytest.approx(est.pooled(), abs=0.05)
+    assert est.alphas()[7] < 0.45
+
+
+def test_estimate_starts_at_the_prior_and_refuses_bad_verdicts() -> None:
+    """Catches a prior that is ignored (alpha 0 or NaN before data) and verdicts that accept
+    more than was proposed."""
+    est = AcceptanceEstimate(4, prior=0.6)
+    assert est.alphas() == pytest.approx([0.6] * 4)
+    with pytest.raises(ValueError):
+        est.observe(2, 3)
+    with pytest.raises(ValueError):
+        est.observe(0, 0)
+
+
+def test_service_model_fits_the_per_step_cost_and_interpolates_in_batch_size() -> None:
+    """Catches S(B, g) that ignores g (a long proposal would look free), a fit across batch
+    sizes that mixes them, and extrapolation below the largest measured size."""
+    model = ServiceModel()
+    assert model.costs(1, 4) is None
+    for g in (1, 2, 4, 8, 4, 2):
+        model.observe(1, g, 0.002 + 0.001 * (g - 1))  # a(1) = 2 ms, b(1) = 1 ms
+        model.observe(9, g, 0.004 + 0.002 * (g - 1))  # a(9) = 4 ms, b(9) = 2 ms
+    at1, at5, at9, at20 = (model.costs(b, 8) for b in (1, 5, 9, 20))
+    assert at1 is not None and at5 is not None and at9 is not None and at20 is not None
+    assert at1[1:] == pytest.approx([0.002 + 0.001 * (g - 1) for g in range(1, 9)], rel=0.05)
+    assert at9[4] == pytest.approx(0.010, rel=0.05)
+    assert at5[4] == pytest.approx((at1[4] + at9[4]) / 2, rel=1e-6)  # linear in B between
+    assert at20[4] >= at9[4]
+
+
+def test_service_model_with_one_gamma_assumes_every_forward_costs_the_same() -> None:
+    """Catches a fit that, never seeing g vary, makes S flat in g (or NaN): the hub drafting at
+    gamma 4 only must still price gamma 8 at about twice gamma 4."""
+    model = ServiceModel()
+    for _ in range(5):
+        model.observe(4, 4, 0.008)
+    costs = model.costs(4, 8)
+    assert costs is not None
+    assert costs[4] == pytest.approx(0.008) and costs[8] == pytest.approx(0.016)
+
+
+def test_load_meter_regimes() -> None:
+    """Catches a loaded flag that ignores the backlog, or that reads the whole history instead
+    of the recent batches."""
+    meter = LoadMeter(threshold=0.95)
+    now = 0.0
+    for _ in range(20):  # 1 ms of drafting, 9 ms waiting for verdicts
+        assert not meter.start(now, backlog=False)
+        meter.finish(now + 0.001, 0.001)
+        now += 0.010
+    assert meter.start(now, backlog=True)
+    for _ in range(30):  # back to back
+        meter.start(now, backlog=False)
+        meter.finish(now + 0.001, 0.001)
+        now += 0.001
+    assert meter.start(now, backlog=False)
+
+
+# ---------------------------------------------------------------------- the choice
+
+
+def _costs(a: float, b: float) -> list[float]:
+    return [0.0] + [a + (g - 1) * b for g in range(1, G + 1)]
+
+
+def _session(policy: GammaPolicy, alpha: float, r: float, seed: int = 0) -> SessionPacing:
+    """A session past its warm-up: 200 verdicts at gamma 16 with acceptance ``alpha``, round
+    trips of ``r`` seconds outside the hub."""
+    rng, s = random.Random(seed), policy.new_session(None)
+    for _ in range(200):
+        s.estimate.observe(G, _verdict(rng, [alpha], G))
+        s.round_trip.observe(G, r)
+    return s
+
+
+IDLE = Load(batch=1, loaded=False, costs=_costs(0.002, 0.001))  # S(1, g): 2 ms + 1 ms/step
+FULL = Load(batch=64, loaded=True, costs=_costs(0.008, 0.004))  # S(64, g): 8 ms + 4 ms/step
+
+
+def test_policy_long_gamma_when_idle_short_when_fully_loaded() -> None:
+    """Catches a policy blind to load: idle with high acceptance the session's own rate wants
+    a long proposal (the 20 ms round trip dominates); with 64 jobs a batch every step costs the
+    whole hub, so tokens per hub second want a short one. Also catches maximising E[L] alone
+    (always max_gamma) and minimising cost alone (always 1)."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G))
+    s = _session(policy, 0.95, 0.020)
+    idle, full = policy.choose(s, IDLE), policy.choose(s, FULL)
+    assert idle >= 10
+    assert 1 <= full <= 4
+    low = _session(policy, 0.6, 0.020)
+    assert 2 <= policy.choose(low, IDLE) < idle  # lower acceptance: shorter even when idle
+
+
+def test_policy_switches_speculation_off_when_acceptance_is_near_zero() -> None:
+    """Catches a policy that never chooses gamma 0 (a draft nobody accepts still costs the hub
+    and the target's verify), in either regime."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G))
+    s = _session(policy, 0.02, 0.020)
+    assert policy.choose(s, IDLE) == 0
+    assert policy.choose(s, FULL) == 0
+    assert policy.choose(s, IDLE, allow_alone=False) >= 1  # a probe drafts
+
+
+def test_measured_alone_step_decides_gamma_0() -> None:
+    """Catches T_alone taken from the round trip even after a span alone measured it: a target
+    that decodes alone 4x faster than its round trip is better off alone at alpha 0.5."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G))
+    s = _session(policy, 0.5, 0.020)
+    assert policy.choose(s, IDLE) >= 1
+    s.alone_step = 0.005
+    assert policy.choose(s, IDLE) == 0
+
+
+def test_next_round_warms_up_probes_and_backs_off() -> None:
+    """Catches deciding before the estimate has data, a probe that is not a draft, spans that
+    never grow while speculation keeps failing, and spans that stay long once it pays again."""
+    params = PolicyParams(max_gamma=G, warmup_rounds=3, alone_tokens=16, max_alone=64)
+    policy = GammaPolicy(params)
+    s = policy.new_session(None)
+    assert policy.next_round(s, IDLE) == params.start_gamma  # no data yet
+    s = _session(policy, 0.02, 0.020)
+    assert policy.next_round(s, IDLE) == 0 and s.alone_span == 16
+    assert policy.next_round(s, IDLE, probe=True) >= 1  # after the span: a probe
+    assert policy.next_round(s, IDLE) == 0 and s.alone_span == 32  # it failed: longer span
+    policy.next_round(s, IDLE, probe=True)
+    assert policy.next_round(s, IDLE) == 0 and s.alone_span == 64
+    policy.next_round(s, IDLE, probe=True)
+    assert policy.next_round(s, IDLE) == 0 and s.alone_span == 64  # capped
+    policy.next_round(s, IDLE, probe=True)
+    for _ in range(200):  # acceptance came back
+        s.estimate.observe(G, G)
+    assert policy.next_round(s, IDLE) >= 1 and s.alone_span == 16
+
+
+def test_fixed_sessions_keep_their_gamma() -> None:
+    """Catches the policy overriding a gamma an OPEN (or --gamma N) fixed, 0 included."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G))
+    for fixed in (0, 3):
+        s = policy.new_session(fixed)
+        for _ in range(50):
+            s.estimate.observe(G, 0)
+            s.round_trip.observe(G, 0.02)
+        assert policy.next_round(s, IDLE) == fixed
+        assert policy.next_round(s, FULL, probe=True) == fixed
+
+
+@pytest.mark.parametrize("bad", [dict(max_gamma=0), dict(start_gamma=20), dict(forget=1.0),
+                                 dict(alone_tokens=0), dict(alone_tokens=300)])  # fmt: skip
+def test_policy_params_are_checked(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        PolicyParams(**bad)
