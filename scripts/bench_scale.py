@@ -43,6 +43,10 @@ ONE_AT_A_TIME, BATCHED = "one-at-a-time", "batched"
 HUBS = (ONE_AT_A_TIME, BATCHED)
 BUSY_FULL = 0.95  # the model's fully-loaded regime, as measured: the hub no longer idles
 QUICK_OVERHEAD_ROUNDS = 300
+# The emulated targets append random tokens, so a pre-drafted branch (a guess at the verdict)
+# would never be used: pre-drafting would only take the hubs' CPU while they idle. Off, so the
+# sweep measures batching alone.
+NO_PREDRAFT = ("--predraft-branches", "0")
 RSS_BOUND = 0.10  # RSS after the sweep (sessions closed) at most 10% above the peak N's
 
 
@@ -97,7 +101,7 @@ def emulated_one_to_one(cfg: BenchConfig, procs: Processes, work: Path, info: Ta
     """
     print(f"[scale] distributed 1:1: {n} hubs x 1 emulated target ...", flush=True)
     hubs = start_hubs(procs, cfg.draft, [work / f"hub-1to1-{i}.log" for i in range(n)],
-                      "--gamma", str(cfg.gamma), cpus=cpus[0])  # fmt: skip
+                      "--gamma", str(cfg.gamma), *NO_PREDRAFT, cpus=cpus[0])  # fmt: skip
     reports = _emulators(cfg, procs, work, info, [ep for _, ep in hubs], 1, cpus[1], warmup=2.0)
     for proc, _ in hubs:
         stop(proc)
@@ -183,7 +187,8 @@ def suite_hubs(cfg: BenchConfig, work: Path, cpus: tuple[set[int] | None, set[in
                ) -> dict[str, tuple[Path, list[str], set[int] | None]]:  # fmt: skip
     """The suite's hubs: a null hub for the overhead probe (unpinned) and one for the link time
     (on the hubs' CPU), then the two swept hubs, which differ only in --max-batch."""
-    swept = ["--model", cfg.draft, "--gamma", str(cfg.gamma), "--max-sessions", "4096"]
+    swept = ["--model", cfg.draft, "--gamma", str(cfg.gamma), "--max-sessions", "4096",
+             *NO_PREDRAFT]
     null = ["--model", cfg.draft, *NULL_HUB_ARGS]
     return {"null": (work / "hub-null.log", null, None),
             "null-pinned": (work / "hub-null-pinned.log", null, cpus[0]),
