@@ -109,8 +109,9 @@ async def test_a_drain_with_a_backlog_keeps_its_timeout(
     (79.6 s against --drain-timeout-s 5)."""
     hub = hub_module.build_hub(hub_module.HubConfig(
         model=str(llama_pair[1]), bind="tcp://127.0.0.1:*", drain_timeout_s=0.5,
-        max_sessions_per_target=200))  # fmt: skip
-    hub.engine.proposer = slow = _Slow(hub.proposer, 0.05)  # 100 jobs: 5 s of drafting
+        max_sessions_per_target=200, max_batch=1))  # fmt: skip
+    # one job per call, 50 ms each: 100 jobs are 5 s of drafting (a batch is not interrupted)
+    hub.engine.proposer = slow = _Slow(hub.proposer, 0.05)
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))
     while not hub.endpoint:
