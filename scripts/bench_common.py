@@ -31,6 +31,10 @@ class BenchConfig:
     max_batch: int = 64  # the batched hub's --max-batch (the baseline hub runs with 1)
     alpha: float = 0.7
     verify_ms: float = 8.0
+    # scale suite, fixed vs auto gamma: the emulated target's verify of g tokens takes
+    # auto_verify_ms + g * auto_verify_per_token_ms, a token decoded alone auto_verify_ms
+    auto_verify_ms: float = 16.0
+    auto_verify_per_token_ms: float = 1.5
     duration: float = 4.0
     warmup: float = 1.0  # emulated runs: at least this long before the first slice
     calibration: float = 2.0  # emulated runs: seconds of calibration slices around the window
@@ -120,3 +124,4 @@ def _null_hub(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | N
 
 def _hello(info: TargetInfo) -> Hello:
     return Hello(info.model, info.vocab_size, info.tokenizer)
+

@@ -186,3 +186,91 @@ def test_quick_scale_sweep_stops_at_128() -> None:
     assert bench.parse_args(["--suite", "scale", "--quick"]).scale_ns[-1] == 128
     assert bench.parse_args(["--suite", "scale"]).scale_ns[-1] == 256
     assert bench.parse_args(["--quick", "--scale-ns", "1", "256"]).scale_ns == (1, 256)
+
+
+# -------------------------------------------------- issue 15: gamma auto, pre-drafting
+
+import bench_gamma  # noqa: E402
+
+
+def test_gamma_order_rotates_every_mode_through_every_position() -> None:
+    """Catches: a fixed order (auto always last, where the machine may be slowest), a mode or
+    an N left out, and the rotation not moving by one per N."""
+    order = bench_gamma.gamma_order([1, 8, 64])
+    assert len(order) == 15 and {n for n, _ in order} == {1, 8, 64}
+    firsts = [order[i * 5][1] for i in range(3)]
+    assert firsts == [1, 2, 4]
+    assert [m for n, m in order if n == 8] == [2, 4, 8, "auto", 1]
+    assert all(sorted(map(str, (m for n, m in order if n == k))) == sorted(map(str,
+               bench_gamma.MODES)) for k in (1, 8, 64))  # fmt: skip
+
+
+def test_settle_rounds_ignores_probes_and_needs_a_tail() -> None:
+    """Catches: the settled value taken from before the switch, probes (a round right after a
+    span alone) counted as unsettled, an off-by-one from the switch round, and a verdict on a
+    trace too short after the switch."""
+    before = [6, 7, 6, 7, 6]
+    after = [6, 5, 4, 3, 2, 1, 0, 3, 0, 1, 0, 1, 0, 1]  # the 3 after a 0 is a probe
+    gammas = before + after
+    assert bench_gamma.settle_rounds(gammas, len(before)) == 5  # from the first 1
+    assert bench_gamma.settle_rounds([4] * 8, 2) == 0  # nothing to adapt
+    assert bench_gamma.settle_rounds([8, 8, 2, 2], 2) is None  # too few rounds after
+    assert bench_gamma.settle_rounds(gammas, None) is None  # no switch inside the trace
+
+
+def _report(n: int, tokens: float, gammas: dict[str, int] | None = None) -> dict:
+    counts = gammas or {"4": 10}
+    mean = sum(int(g) * c for g, c in counts.items()) / sum(counts.values())
+    return {"n_targets": n, "system_tokens_per_s": tokens, "per_target_tokens_per_s": tokens / n,
+            "hub_busy_fraction": 1.0, "acceptance_rate": 0.5, "mean_accepted": 2.0,
+            "latency_ms": {"mean": 1.0, "p50": 1.0, "p99": 1.0, "std": 0.0},
+            "bytes_per_round": 100.0, "queue_wait_ms": 1.0, "mean_gamma": mean,
+            "gamma_counts": counts, "alone_tokens": 0, "verify_ms": 22.0}  # fmt: skip
+
+
+def test_gamma_comparison_picks_the_best_fixed_gamma_per_n() -> None:
+    """Catches: auto compared with the mean or the last fixed gamma instead of the best, the
+    ratio inverted, a miss at one N hidden by the others, and the model left out."""
+    reports = {
+        "gamma-fixed-1": [_report(1, 100), _report(8, 300)],
+        "gamma-fixed-2": [_report(1, 120), _report(8, 400)],
+        "gamma-fixed-4": [_report(1, 110), _report(8, 500)],
+        "gamma-fixed-8": [_report(1, 90), _report(8, 450)],
+        "gamma-auto": [_report(1, 118, {"2": 8, "0": 2}), _report(8, 460)],
+    }
+    inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.022, 0.001, 0.016, max_batch=64,
+                                  curve=analytic.ServiceCurve(((1, 0.005), (8, 0.01))))
+    out = bench_gamma.compare(reports, inputs)
+    one, eight = out["by_n"]["1"], out["by_n"]["8"]
+    assert one["best_fixed"] == 2 and one["auto_over_best_fixed"] == pytest.approx(118 / 120)
+    assert eight["best_fixed"] == 4 and eight["auto_over_best_fixed"] == pytest.approx(0.92)
+    assert one["ok"] is True and eight["ok"] is False and out["all_ok"] is False
+    assert out["min_auto_over_best_fixed"] == pytest.approx(0.92)
+    assert one["auto_alone_fraction"] == pytest.approx(0.2)
+    assert set(one["model"]["fixed_tokens_per_s"]) == {"1", "2", "4", "8"}
+    records = bench_gamma.records(reports, inputs)
+    assert len(records) == 10 and {r["mode"] for r in records} == {
+        "gamma-fixed-1", "gamma-fixed-2", "gamma-fixed-4", "gamma-fixed-8", "gamma-auto"}
+    auto_one = next(r for r in records if r["mode"] == "gamma-auto" and r["n_targets"] == 1)
+    assert auto_one["predicted_system_tokens_per_s"] == pytest.approx(
+        analytic.auto_gamma(inputs, 1)[1].system_tokens_per_s)
+    fixed_eight = next(r for r in records if r["mode"] == "gamma-fixed-8" and r["n_targets"] == 8)
+    assert fixed_eight["predicted_system_tokens_per_s"] == pytest.approx(
+        analytic.predict_at(inputs, 8, 8).system_tokens_per_s)
+    # the comparison's own inputs: its fixed-4 runs' verify time, T_alone = auto_verify_ms
+    own = bench_gamma.model_inputs(bench.parse_args([]), inputs, reports)
+    assert own is not None and own.verify_s == pytest.approx(0.022)
+    assert own.target_step_s == pytest.approx(0.016) and own.curve == inputs.curve
+
+
+def test_switch_summary_keeps_only_sessions_across_the_switch() -> None:
+    trace = [
+        {"target": 0, "gammas": [6] * 10 + [2, 1, 0, 1, 0, 1, 0, 1, 0], "switch_round": 10},
+        {"target": 1, "gammas": [4, 4, 4], "switch_round": None},  # ended before the switch
+        {"target": 2, "gammas": [1, 0, 1], "switch_round": 0},  # opened after it
+    ]
+    out = bench_gamma.switch_summary({"n_targets": 4, "gamma_trace": trace}, None)
+    assert [s["target"] for s in out["sessions"]] == [0]
+    session = out["sessions"][0]
+    assert session["settle_rounds"] == 1 and session["gamma_before"] == 6
+    assert out["max_settle_rounds"] == 1 and out["all_within_limit"] is True
