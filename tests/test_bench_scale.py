@@ -190,6 +190,8 @@ def test_quick_scale_sweep_stops_at_128() -> None:
 
 # -------------------------------------------------- issue 15: gamma auto, pre-drafting
 
+import bench_assisted  # noqa: E402
+import bench_common  # noqa: E402
 import bench_gamma  # noqa: E402
 
 
@@ -274,3 +276,73 @@ def test_switch_summary_keeps_only_sessions_across_the_switch() -> None:
     session = out["sessions"][0]
     assert session["settle_rounds"] == 1 and session["gamma_before"] == 6
     assert out["max_settle_rounds"] == 1 and out["all_within_limit"] is True
+
+
+HUB_LOG = """\
+2026-12-01 10:00:00 starsd.hub INFO target aa01/starsd-target connected (vocab 2048)
+2026-12-01 10:00:01 starsd.hub INFO hub: targets=1 sessions=1 jobs=10 batches=9 mean_batch=1.11 \
+S_ms=1:5.00 draft_busy=0.300 draft_ms_per_job=5.00 cpu_ms_per_job=4.00 messages=30 errors_sent=0 \
+expired=0 dropped=0 unauthenticated=0 over_budget=0 predraft_s=0.50 replies_dropped=0
+2026-12-01 10:00:01 starsd.hub INFO target aa01/starsd-target: sessions=1 rounds=9 \
+mean_accepted=2.00 acceptance=0.500 gamma=4.00 gamma0=0.000 queue_wait_ms=0.40 \
+predraft_hits=0.20 errors=0
+2026-12-01 10:00:02 starsd.hub INFO target bb02/starsd-target connected (vocab 2048)
+2026-12-01 10:00:02 starsd.hub INFO target aa01/starsd-target: sessions=1 rounds=30 \
+mean_accepted=2.00 acceptance=0.500 gamma=4.00 gamma0=0.000 queue_wait_ms=1.00 \
+predraft_hits=0.50 errors=0
+2026-12-01 10:00:02 starsd.hub INFO target bb02/starsd-target: sessions=1 rounds=10 \
+mean_accepted=1.00 acceptance=0.250 gamma=2.00 gamma0=0.500 queue_wait_ms=3.00 \
+predraft_hits=0.10 errors=0
+2026-12-01 10:00:02 starsd.hub INFO hub: targets=2 sessions=0 jobs=50 batches=40 mean_batch=1.25 \
+S_ms=1:5.00 draft_busy=0.300 draft_ms_per_job=5.00 cpu_ms_per_job=4.00 messages=90 errors_sent=0 \
+expired=0 dropped=0 unauthenticated=0 over_budget=0 predraft_s=1.25 replies_dropped=0
+"""
+
+
+def test_hub_log_gives_each_targets_last_figures() -> None:
+    """Catches: the first stats line of a target taken instead of its last, targets mixed up,
+    the pooled figures weighted equally instead of by rounds (alone rounds included), and the
+    hub line's predraft_s read from an earlier line."""
+    lines = bench_common.target_lines(HUB_LOG)
+    assert lines["aa01/starsd-target"]["predraft_hits"] == 0.5
+    assert lines["aa01/starsd-target"]["rounds"] == 30
+    assert lines["bb02/starsd-target"]["queue_wait_ms"] == 3.0
+    assert bench_common.connected_targets(HUB_LOG) == ["aa01/starsd-target", "bb02/starsd-target"]
+    assert bench_common.hub_line(HUB_LOG)["predraft_s"] == 1.25
+    pooled = bench_common.pooled_targets(lines, bench_common.connected_targets(HUB_LOG))
+    # weights: 30 rounds; 10 rounds + 10 alone (gamma0 0.5) = 20
+    assert pooled["hit_rate"] == pytest.approx((0.5 * 30 + 0.1 * 20) / 50)
+    assert pooled["queue_wait_ms"] == pytest.approx((1.0 * 30 + 3.0 * 20) / 50)
+    assert pooled["targets"] == 2 and pooled["rounds"] == 40
+    only = bench_common.pooled_targets(lines, ["bb02/starsd-target", "gone/x"])
+    assert only["targets"] == 1 and only["hit_rate"] == pytest.approx(0.1)
+
+
+def test_paired_rotation_and_summary() -> None:
+    """Catches: one fixed order across repetitions, means instead of medians, ratios inverted
+    or taken against the wrong base, and identity checked on a mode without ids."""
+    order = bench_assisted.rotation(bench_assisted.MODES, 3)
+    assert [o[0] for o in order] == ["hf-assisted", "centralized", "hub-defaults"]
+    assert all(sorted(o) == sorted(bench_assisted.MODES) for o in order)
+    ids = [[1, 2], [3]]
+    results = {
+        "hf-assisted": [{"tokens_per_s": x, "token_ids": ids} for x in (80, 90, 200)],
+        "centralized": [{"tokens_per_s": x, "mean_accepted": 3.0} for x in (100, 100, 100)],
+        "hub-defaults": [{"tokens_per_s": x, "token_ids": ids, "mean_accepted": 2.5}
+                         for x in (99, 101, 1)],
+        "hub-gamma4-no-predraft": [{"tokens_per_s": 95.0, "token_ids": [[1, 2], [4]],
+                                    "mean_accepted": 2.8}] * 3,
+    }  # fmt: skip
+    out = bench_assisted.summary(results, order, ids, {})
+    assert out["median_tokens_per_s"]["hf-assisted"] == 90
+    assert out["ratios"]["hub_defaults_over_hf"] == pytest.approx(99 / 90)
+    assert out["ratios"]["hub_defaults_over_centralized"] == pytest.approx(0.99)
+    assert out["met"] == {"hub_over_hf": True, "hub_over_centralized": True}
+    assert out["identical_to_target_alone"] == {"hf-assisted": True, "hub-defaults": True,
+                                                "hub-gamma4-no-predraft": False}  # fmt: skip
+    assert out["ratios_per_rep"]["hub_defaults_over_hf"][2] == pytest.approx(1 / 200)
+    # the defaults against pre-drafting alone (gamma 4): auto's effect with pre-drafting on
+    results["hub-gamma4-predraft"] = [{"tokens_per_s": 110.0, "token_ids": ids}] * 3
+    effects = bench_assisted.summary(results, order, ids, {})["feature_effects"]
+    assert effects == {"auto_with_predraft": pytest.approx(99 / 110),
+                       "predraft_at_gamma4": pytest.approx(110 / 95)}
