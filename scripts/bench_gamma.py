@@ -260,10 +260,10 @@ def markdown(result: dict) -> list[str]:
         cells = [f"{rates[h]:.0f}" if h in rates else "-" for h in heads]
         lines.append(
             f"| {n} | " + " | ".join(cells)
-            + f" | {row.get('auto_over_best_fixed', 0):.2f} (best {row.get('best_fixed')}) | "
+            + f" | {row.get('auto_over_best_fixed', 0):.3f} (best {row.get('best_fixed')}) | "
             f"{row.get('auto_mean_gamma', 0):.2f} ({row.get('auto_alone_fraction', 0):.2f}) | "
             f"{model.get('auto_gamma', '-')}, {model.get('auto_tokens_per_s', 0):.0f} |")
-    lines.append(f"* auto / best fixed gamma: least {gamma['min_auto_over_best_fixed'] or 0:.2f}"
+    lines.append(f"* auto / best fixed gamma: least {gamma['min_auto_over_best_fixed'] or 0:.3f}"
                  f" (target >= {gamma['target_ratio']}): "
                  f"{'met' if gamma['all_ok'] else 'missed'}")  # fmt: skip
     switch = result.get("alpha_switch")
