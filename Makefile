@@ -27,9 +27,10 @@ help:
 	@echo "make models      re-train the default target/draft pair (~5 min on 2 cores)"
 	@echo "make eval-models re-measure the default pair into results/eval-models.json"
 	@echo "make eagle-head  train + evaluate the EAGLE-1 head -> models/starsd-eagle (~5 min)"
-	@echo "make bench       all modes side by side, one hub batched vs --max-batch 1 -> results/bench.json + .png  [QUICK=1]"
-	@echo "make bench-scale emulated targets up to N=256 (QUICK 128), one-at-a-time vs batched hub,"
-	@echo "                 N_full, S(B), RSS -> results/bench-scale.json + .png [QUICK=1: < 3 min]"
+	@echo "make bench       all modes side by side, one hub batched vs --max-batch 1, one hub + one target vs"
+	@echo "                 transformers' assisted generation, pre-draft hit rate -> results/bench.json + .png  [QUICK=1]"
+	@echo "make bench-scale emulated targets up to N=256 (QUICK 128), one-at-a-time vs batched hub, N_full, S(B),"
+	@echo "                 RSS, fixed gamma vs --gamma auto -> results/bench-scale.json + .png [QUICK=1: < 4 min]"
 	@echo "make bench-service  S(B) of the draft LLM and EAGLE head in process -> results/bench-service.json [QUICK=1]"
 	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
 
