@@ -263,16 +263,20 @@ class Attention(nn.Module):
         return self.attend(q, k, v, keys[None, :] <= positions[:, None])  # mask [n, T]
 
 
-    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor,
+                         key_mask: torch.Tensor | None,
                          buffer: LayerBuffer) -> torch.Tensor:  # fmt: skip
         """Attend a ragged batch ``x`` [B, n, H] at ``positions`` [B, n] over ``buffer``, whose
-        columns are real keys where ``key_mask`` [B, T] is 1 (see :mod:`starsd.batch`)."""
+        columns are real keys where ``key_mask`` [B, T] is 1 (every column when None; see
+        :mod:`starsd.batch`)."""
         n = x.shape[1]
         q, k, v = self.qkv(x, positions)
         first = buffer.filled
         keys, values = buffer.append(k, v)  # [B, kv, T, d]
         columns = torch.arange(keys.shape[2], device=x.device)
         causal = columns[None, :] <= first + torch.arange(n, device=x.device)[:, None]  # [n, T]
+        if key_mask is None:  # no padding: the causal mask alone
+            return self.attend(q, keys, values, causal)  # mask [n, T]
         allowed = causal[None, None] & key_mask.to(x.device).bool()[:, None, None, :]
         return self.attend(q, keys, values, allowed)  # mask [B, 1, n, T]
 
@@ -304,7 +308,8 @@ class DecoderLayer(nn.Module):
         """x [B, n, H] -> [B, n, H]."""
         return self.feed_forward(x + self.self_attn(x, start, cache))
 
-    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor,
+                         key_mask: torch.Tensor | None,
                          buffer: LayerBuffer) -> torch.Tensor:  # fmt: skip
         """The layer over a ragged batch (see :meth:`Attention.forward_buffered`)."""
         attended = self.self_attn.forward_buffered(x, positions, key_mask, buffer)
@@ -354,7 +359,7 @@ class EagleHead(nn.Module):
         return out[0] if single else out
 
     def forward_buffered(self, token_ids: torch.Tensor, features: torch.Tensor,
-                         positions: torch.Tensor, key_mask: torch.Tensor,
+                         positions: torch.Tensor, key_mask: torch.Tensor | None,
                          buffer: LayerBuffer, embed: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Predicted next features [B, n, H] of a ragged batch of pairs ``token_ids`` [B, n],
         ``features`` [B, n, H] at ``positions`` [B, n], appended to ``buffer`` in place."""
@@ -495,7 +500,7 @@ class LoadedEagle:
 
     @torch.inference_mode()
     def forward_batch(self, token_ids: torch.Tensor, features: torch.Tensor,
-                      positions: torch.Tensor, key_mask: torch.Tensor,
+                      positions: torch.Tensor, key_mask: torch.Tensor | None,
                       buffer: LayerBuffer) -> torch.Tensor:  # fmt: skip
         """Predicted features [B, n, H] of a ragged batch (see :mod:`starsd.batch`)."""
         ids = token_ids.to(device=self.device, dtype=torch.long)  # [B, n]
