@@ -241,8 +241,9 @@ class Attention(nn.Module):
         """Output [B, n, H] of q [B, h, n, d] over k, v [B, kv, T, d] where allowed [n, T]."""
         b, _, n, _ = q.shape
         group = self.config.num_attention_heads // self.config.num_key_value_heads
-        k = k.repeat_interleave(group, dim=1)  # [B, h, T, d]
-        v = v.repeat_interleave(group, dim=1)  # [B, h, T, d]
+        if group > 1:  # (a copy of the whole cache: skipped when every head has its own KV)
+            k = k.repeat_interleave(group, dim=1)  # [B, h, T, d]
+            v = v.repeat_interleave(group, dim=1)  # [B, h, T, d]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [B, h, n, d]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))  # [B, n, H]
 
@@ -410,7 +411,7 @@ class EagleHead(nn.Module):
 
 def logits_from_features(features: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     """Logits [n, V] of features [n, H] through the target's LM head weight [V, H]."""
-    return features @ lm_head.to(features.dtype).T
+    return F.linear(features, lm_head.to(features.dtype))  # no transposed copy of [V, H]
 
 
 @dataclass(frozen=True)
