@@ -17,10 +17,12 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import bench_assisted
 import bench_scale
 import torch
 from bench_common import BenchConfig, hub_overhead, hub_stats, run_record
@@ -41,9 +43,11 @@ PROMPTS = HARNESS_PROMPTS[:6]
 # ---------------------------------------------------------------------- in-process modes
 
 
-def bench_standalone(target: models.LoadedModel, cfg: BenchConfig) -> tuple[dict, float]:
-    """The target alone; returns its record and the mean decode step (T_ar)."""
-    tokens, seconds, lat = 0, 0.0, []
+def bench_standalone(target: models.LoadedModel, cfg: BenchConfig
+                     ) -> tuple[dict, float, list[list[int]]]:  # fmt: skip
+    """The target alone; returns its record, the mean decode step (T_ar) and the generated ids
+    per prompt (what every greedy mode must reproduce)."""
+    tokens, seconds, lat, ids = 0, 0.0, [], []
     for prompt in PROMPTS:
         seq = TargetSequence(target, models.encode_text(target, prompt), SamplingParams(),
                              cfg.max_new_tokens)  # fmt: skip
@@ -53,9 +57,10 @@ def bench_standalone(target: models.LoadedModel, cfg: BenchConfig) -> tuple[dict
         seconds += time.perf_counter() - started
         tokens += len(seq.generated)
         lat += seq.stats.token_latency_s
+        ids.append(list(seq.generated))
     rate = tokens / seconds
     return run_record("standalone", 1, system_tokens_per_s=rate, per_target_tokens_per_s=rate,
-                      latency_ms=latency_summary(lat)), seconds / tokens  # fmt: skip
+                      latency_ms=latency_summary(lat)), seconds / tokens, ids  # fmt: skip
 
 
 def bench_centralized(target: models.LoadedModel, drafter: Proposer, cfg: BenchConfig
@@ -125,11 +130,12 @@ def busy_between(before: Stats, after: Stats) -> tuple[float, float]:
 
 def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[str],
                 tag: str, prefixes: list[list[str]] | None = None,
-                concurrency: int = 1) -> list[list[dict]]:  # fmt: skip
+                concurrency: int = 1, extra: Sequence[str] = ()) -> list[list[dict]]:  # fmt: skip
     """One target process per endpoint, all at once, each on the full prompt set.
 
     ``prefixes`` (one per target) run a target elsewhere, e.g. ``ip netns exec NS``;
-    ``concurrency``: sequences each target keeps in flight (``--concurrency``).
+    ``concurrency``: sequences each target keeps in flight (``--concurrency``); ``extra``: more
+    ``edge.target`` options, after (so overriding) these, e.g. ``--gamma 0``.
     """
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
@@ -139,7 +145,7 @@ def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[
         out = work / f"{tag}-{i}.jsonl"
         args = ["-m", "edge.target", "--hub", endpoint, "--model", cfg.target, "--prompts",
                 str(prompts), "--out", str(out), "--max-new-tokens", str(cfg.max_new_tokens),
-                "--gamma", str(cfg.gamma), "--concurrency", str(concurrency)]  # fmt: skip
+                "--gamma", str(cfg.gamma), "--concurrency", str(concurrency), *extra]  # fmt: skip
         prefix = prefixes[i] if prefixes else None
         running.append((procs.start(args, work / f"{tag}-{i}.log", prefix), out))
     rows = []
@@ -196,7 +202,7 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     torch.set_num_threads(1)
     target, draft = models.load_causal_lm(cfg.target), models.load_causal_lm(cfg.draft)
     print("[main] standalone and centralized (in process) ...", flush=True)
-    standalone, t_ar = bench_standalone(target, cfg)
+    standalone, t_ar, reference = bench_standalone(target, cfg)
     central, measured = bench_centralized(target, LlmProposer(draft), cfg)
     central_eagle, measured_eagle = bench_centralized(target, eagle_drafter(cfg), cfg)
     info = TargetInfo("bench", target.vocab_size, target.tokenizer_fingerprint,
@@ -218,16 +224,42 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         print(f"[main] {run.mode} ({run.kind} drafter, max-batch {run.max_batch}) with {run.n} "
               f"target process(es) x {run.concurrency} sequence(s) ...", flush=True)  # fmt: skip
         runs.append(hub_run(cfg, procs, work, info, run, inputs, curve))
+    print("[main] one hub + one target vs transformers' assisted generation and centralized, "
+          "alternated ...", flush=True)  # fmt: skip
+    paired = bench_assisted.run(
+        cfg, procs, work, target, draft, PROMPTS, reference,
+        central=lambda: _rate(bench_centralized(target, LlmProposer(draft), cfg)[0]),
+        run_target=lambda ep, tag, extra: run_targets(cfg, procs, work, [ep], tag,
+                                                      extra=extra)[0])  # fmt: skip
+    runs += paired_records(paired)
     base = standalone["system_tokens_per_s"]
     return {"runs": runs, "model_inputs": analytic.inputs_as_json(inputs), "hub_overhead": overhead,
             "service_curve_in_process": [{"batch": b, "ms": 1e3 * t} for b, t in curve],
             "batched_vs_one_at_a_time": batched_comparison(runs),
+            # one hub + one target vs transformers' assisted generation (scripts/bench_assisted.py)
+            "vs_hf_assisted": paired,
             "eagle": {"draft_ms_per_round": 1e3 * measured_eagle["draft_s"],
                       "llm_draft_ms_per_round": 1e3 * measured["draft_s"],
                       "mean_accepted": measured_eagle["mean_accepted"],
                       "llm_mean_accepted": measured["mean_accepted"]},
             "speedup_vs_standalone": {f"{_label(r)}/{r['n_targets']}":
                                       r["system_tokens_per_s"] / base for r in runs}}  # fmt: skip
+
+
+def _rate(record: dict) -> dict[str, Any]:
+    """A record as one repetition of the paired comparison."""
+    return {"tokens_per_s": record["system_tokens_per_s"], "mean_accepted": record["mean_accepted"]}
+
+
+def paired_records(paired: dict[str, Any]) -> list[dict]:
+    """The paired comparison's medians as ``runs`` records (N = 1 each)."""
+    out = []
+    for mode, rate in paired["median_tokens_per_s"].items():
+        name = {bench_assisted.CENTRAL: "centralized-paired"}.get(mode, mode)
+        out.append(run_record(name, 1, system_tokens_per_s=rate, per_target_tokens_per_s=rate,
+                              mean_accepted=paired["mean_accepted"].get(mode),
+                              repetitions=len(paired["tokens_per_s"][mode])))  # fmt: skip
+    return out
 
 
 BATCHED_MODE, ONE_AT_A_TIME_MODE = "one-for-many-batched", "one-for-many-one-at-a-time"
@@ -335,6 +367,12 @@ def predicted(inputs: analytic.ModelInputs, sessions: int, run: HubRun,
 
 
 def markdown(result: dict) -> str:
+    """The runs as a short markdown table, then the paired and pre-drafting comparisons."""
+    lines = [runs_table(result), *bench_assisted.markdown(result.get("vs_hf_assisted"))]
+    return "\n".join(lines)
+
+
+def runs_table(result: dict) -> str:
     """The runs as a short markdown table."""
     lines = ["| mode | N | system tok/s | predicted | per-target tok/s | hub busy | "
              "mean accepted | latency mean/p99/std ms |", "|---|---|---|---|---|---|---|---|"]

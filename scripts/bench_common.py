@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,10 @@ class BenchConfig:
     max_batch: int = 64  # the batched hub's --max-batch (the baseline hub runs with 1)
     alpha: float = 0.7
     verify_ms: float = 8.0
+    # scale suite, fixed vs auto gamma: the emulated target's verify of g tokens takes
+    # auto_verify_ms + g * auto_verify_per_token_ms, a token decoded alone auto_verify_ms
+    auto_verify_ms: float = 16.0
+    auto_verify_per_token_ms: float = 1.5
     duration: float = 4.0
     warmup: float = 1.0  # emulated runs: at least this long before the first slice
     calibration: float = 2.0  # emulated runs: seconds of calibration slices around the window
@@ -120,3 +125,52 @@ def _null_hub(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | N
 
 def _hello(info: TargetInfo) -> Hello:
     return Hello(info.model, info.vocab_size, info.tokenizer)
+
+
+# ---------------------------------------------------------------------- the hub's log
+
+# A hub run for the benchmarks logs its stats lines this often (seconds): a line follows every
+# target's last job within one interval, while the target's lease (3 heartbeats) still keeps it
+# listed, so the last line that names a target holds its final counters.
+STATS_INTERVAL_S = 0.5
+_TARGET_LINE = re.compile(r" target (\S+): (sessions=.*)$", re.MULTILINE)
+_CONNECTED = re.compile(r" target (\S+) connected ")
+_HUB_LINE = re.compile(r" hub: (targets=.*)$", re.MULTILINE)
+_FIELD = re.compile(r"(\w+)=(-?[\d.]+)\b")
+
+
+def _fields(text: str) -> dict[str, float]:
+    return {k: float(v) for k, v in _FIELD.findall(text)}
+
+
+def target_lines(log: str) -> dict[str, dict[str, float]]:
+    """Each target's figures from the last stats line that names it (``name -> field -> value``;
+    see ``starsd.stats.TargetStats.line``: ``predraft_hits`` is its hit rate, ``queue_wait_ms``
+    its mean queue wait)."""
+    return {name: _fields(rest) for name, rest in _TARGET_LINE.findall(log)}
+
+
+def connected_targets(log: str) -> list[str]:
+    """The targets that connected, in order (``target NAME connected`` lines)."""
+    return _CONNECTED.findall(log)
+
+
+def hub_line(log: str) -> dict[str, float]:
+    """The hub-wide figures of the last ``hub:`` stats line ({} before the first)."""
+    lines = _HUB_LINE.findall(log)
+    return _fields(lines[-1]) if lines else {}
+
+
+def pooled_targets(lines: dict[str, dict[str, float]], names: list[str]) -> dict[str, float]:
+    """Figures of ``names`` pooled, each target weighted by its rounds (plus its rounds alone):
+    hit rate, queue wait, acceptance, mean gamma; ``targets`` counts those with a line."""
+    rows = [lines[n] for n in names if n in lines]
+    weights = [r.get("rounds", 0) / max(1e-9, 1 - r.get("gamma0", 0)) for r in rows]
+    total = sum(weights)
+    out: dict[str, float] = {"targets": len(rows), "rounds": sum(r.get("rounds", 0) for r in rows)}
+    for key, name in (("predraft_hits", "hit_rate"), ("queue_wait_ms", "queue_wait_ms"),
+                      ("acceptance", "acceptance"), ("gamma", "mean_gamma"),
+                      ("gamma0", "alone_fraction"), ("mean_accepted", "mean_accepted")):
+        values = [(r.get(key), w) for r, w in zip(rows, weights, strict=True)]
+        out[name] = (sum(v * w for v, w in values if v is not None) / total) if total else 0.0
+    return out

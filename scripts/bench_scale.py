@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import bench_gamma
 from bench_common import (
     NULL_HUB_ARGS,
     BenchConfig,
@@ -41,6 +42,7 @@ from starsd.stats import latency_summary
 # The two hubs compared, by record mode; "batched" runs with cfg.max_batch.
 ONE_AT_A_TIME, BATCHED = "one-at-a-time", "batched"
 HUBS = (ONE_AT_A_TIME, BATCHED)
+AUTO_HUB = "auto"  # the batched hub under --gamma auto (fixed gammas run on "batched")
 BUSY_FULL = 0.95  # the model's fully-loaded regime, as measured: the hub no longer idles
 QUICK_OVERHEAD_ROUNDS = 300
 # The emulated targets append random tokens, so a pre-drafted branch (a guess at the verdict)
@@ -51,9 +53,12 @@ RSS_BOUND = 0.10  # RSS after the sweep (sessions closed) at most 10% above the 
 
 
 def emulated_run(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
-                 endpoint: str, n: int, cpus: set[int] | None, tag: str = "") -> dict:  # fmt: skip
-    """``python scripts/emulated.py`` with ``n`` targets; its JSON report."""
-    return _emulators(cfg, procs, work, info, [endpoint], n, cpus, cfg.warmup, tag=tag)[0]
+                 endpoint: str, n: int, cpus: set[int] | None, tag: str = "",
+                 extra: Sequence[str] = ()) -> dict:  # fmt: skip
+    """``python scripts/emulated.py`` with ``n`` targets; its JSON report. ``extra``: more
+    options for the emulator, after (so overriding) the suite's own."""
+    return _emulators(cfg, procs, work, info, [endpoint], n, cpus, cfg.warmup, tag=tag,
+                      extra=extra)[0]  # fmt: skip
 
 
 def placement() -> tuple[set[int] | None, set[int] | None]:
@@ -73,8 +78,9 @@ def placement() -> tuple[set[int] | None, set[int] | None]:
 
 def _emulators(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
                endpoints: list[str], n: int, cpus: set[int] | None, warmup: float,
-               tag: str = "") -> list[dict]:  # fmt: skip
-    """One emulator process per endpoint, all at once, ``n`` targets each; their reports."""
+               tag: str = "", extra: Sequence[str] = ()) -> list[dict]:  # fmt: skip
+    """One emulator process per endpoint, all at once, ``n`` targets each; their reports.
+    ``extra`` options come last, so they override the suite's (argparse keeps the last)."""
     verify_ms, duration = cfg.verify_ms, cfg.duration
     running = []
     for i, endpoint in enumerate(endpoints):
@@ -84,10 +90,10 @@ def _emulators(cfg: BenchConfig, procs: Processes, work: Path, info: TargetInfo,
                 str(n), "--alpha", str(cfg.alpha), "--verify-ms", str(verify_ms), "--gamma",
                 str(cfg.gamma), "--duration", str(duration), "--calibration",
                 str(cfg.calibration), "--warmup", str(warmup), "--seed", str(i), "--out",
-                str(out)]  # fmt: skip
+                str(out), *extra]  # fmt: skip
         running.append((procs.start(args, out.with_suffix(".log"), cpus=cpus), out))
     for proc, out in running:
-        if proc.wait(timeout=duration + cfg.calibration + 120) != 0:
+        if proc.wait(timeout=duration + cfg.calibration + 180) != 0:
             raise RuntimeError(out.with_suffix(".log").read_text()[-3000:])
     return [dict(json.loads(out.read_text())) for _, out in running]
 
@@ -186,14 +192,19 @@ def wait_sessions_closed(endpoint: str, info: TargetInfo, timeout: float = 15.0)
 def suite_hubs(cfg: BenchConfig, work: Path, cpus: tuple[set[int] | None, set[int] | None]
                ) -> dict[str, tuple[Path, list[str], set[int] | None]]:  # fmt: skip
     """The suite's hubs: a null hub for the overhead probe (unpinned) and one for the link time
-    (on the hubs' CPU), then the two swept hubs, which differ only in --max-batch."""
-    swept = ["--model", cfg.draft, "--gamma", str(cfg.gamma), "--max-sessions", "4096",
-             *NO_PREDRAFT]
+    (on the hubs' CPU), then the two swept hubs, which differ only in --max-batch, and the
+    batched hub under --gamma auto (the gamma comparison's; the fixed gammas run on the swept
+    batched hub, which keeps the gamma an OPEN names)."""
+    common = ["--model", cfg.draft, "--max-sessions", "4096", *NO_PREDRAFT]
     null = ["--model", cfg.draft, *NULL_HUB_ARGS]
     return {"null": (work / "hub-null.log", null, None),
             "null-pinned": (work / "hub-null-pinned.log", null, cpus[0]),
-            **{h: (work / f"hub-scale-{h}.log", [*swept, "--max-batch", str(m)], cpus[0])
-               for h, m in max_batches(cfg).items()}}  # fmt: skip
+            **{h: (work / f"hub-scale-{h}.log",
+                   [*common, "--gamma", str(cfg.gamma), "--max-batch", str(m)], cpus[0])
+               for h, m in max_batches(cfg).items()},
+            AUTO_HUB: (work / "hub-scale-auto.log",
+                       [*common, "--gamma", "auto", "--max-batch", str(cfg.max_batch)],
+                       cpus[0])}  # fmt: skip
 
 
 def max_batches(cfg: BenchConfig) -> dict[str, int]:
@@ -204,7 +215,8 @@ def max_batches(cfg: BenchConfig) -> dict[str, int]:
 def run_sweep(cfg: BenchConfig, procs: Processes, info: TargetInfo, hubs: dict[str, Hub],
               work: Path, cpus: tuple[set[int] | None, set[int] | None]
               ) -> dict[str, Any]:  # fmt: skip
-    """Both hubs at every N, alternating; their reports (with RSS) and the after-sweep RSS."""
+    """Both hubs at every N, alternating; their reports (with RSS) and the after-sweep RSS.
+    The hubs keep running (the gamma comparison uses the batched one)."""
     max_batch = max_batches(cfg)
     reports: dict[str, list[dict]] = {h: [] for h in HUBS}
     for n, hub in sweep_order(cfg.scale_ns):
@@ -223,8 +235,6 @@ def run_sweep(cfg: BenchConfig, procs: Processes, info: TargetInfo, hubs: dict[s
     for hub, (proc, endpoint) in hubs.items():
         left = wait_sessions_closed(endpoint, info)
         after[hub] = {"rss_mb": rss_mb(proc.pid), "sessions_left": left}
-    for proc, _ in hubs.values():
-        stop(proc)
     return {"reports": reports, "after": after, "max_batch": max_batch}
 
 
@@ -486,6 +496,18 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         service = service_curves(cfg, procs, work, cpus[0])
     with phases("sweep"):
         sweep = run_sweep(cfg, procs, info, {h: hubs[h] for h in HUBS}, work, cpus)
+
+    def emulate_on(hub: str) -> bench_gamma.Emulate:
+        return lambda n, tag, extra: emulated_run(cfg, procs, work, info, hubs[hub][1], n,
+                                                  cpus[1], tag, extra)  # fmt: skip
+
+    with phases("gamma"):
+        gamma_reports = bench_gamma.run_comparison(cfg, emulate_on(BATCHED), emulate_on(AUTO_HUB))
+    with phases("switch"):
+        switch_report = bench_gamma.run_switch(cfg, emulate_on(AUTO_HUB))
+    for name, (proc, _) in hubs.items():
+        if name not in ("null", "null-pinned"):  # (those were stopped after their probes)
+            stop(proc)
     reports, after = sweep["reports"], sweep["after"]
     # c, the hub's serial cost per message when a batch's DRAFTs arrive back to back: measured
     # by the overhead probe, outside the sweep's windows
@@ -511,8 +533,10 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
                                              cpus)  # fmt: skip
         steadiness = latency_steadiness(runs[ONE_AT_A_TIME], one_to_one, base["n_full_measured"])
     top = summaries[BATCHED]  # the default hub's figures, where one hub's were before
+    gamma_inputs = bench_gamma.model_inputs(cfg, batched_model, gamma_reports)
     return {
-        "runs": [*runs[ONE_AT_A_TIME], *runs[BATCHED], *([one_to_one] if one_to_one else [])],
+        "runs": [*runs[ONE_AT_A_TIME], *runs[BATCHED], *([one_to_one] if one_to_one else []),
+                 *bench_gamma.records(gamma_reports, gamma_inputs)],
         # the batched hub's model with its S(B) (what `make analytic` reads), then the baseline's
         "model_inputs": analytic.inputs_as_json(batched_model or inputs[BATCHED]),
         "model_inputs_one_at_a_time": analytic.inputs_as_json(inputs[ONE_AT_A_TIME]),
@@ -526,6 +550,11 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         "latency_std_ms": steadiness,
         "hub_overhead": overhead, "link_round_ms": link_ms,
         "placement": {"hubs": sorted(cpus[0] or []), "targets": sorted(cpus[1] or [])},
+        # fixed gammas vs --gamma auto per N, and the acceptance switch (scripts/bench_gamma.py)
+        "gamma_comparison": bench_gamma.compare(gamma_reports, gamma_inputs),
+        "alpha_switch": bench_gamma.switch_summary(switch_report, gamma_inputs),
+        "gamma_model_inputs": None if gamma_inputs is None
+        else analytic.inputs_as_json(gamma_inputs),
         "phase_s": phases.seconds,
     }  # fmt: skip
 
@@ -560,6 +589,7 @@ def markdown(result: dict) -> str:
     for kind, d in (result.get("service") or {}).get("drafters", {}).items():
         lines.append(f"* S(B) {kind}: S(8)/S(1) {d['s8_over_s1']:.2f}, "
                      f"S(32)/S(1) {d['s32_over_s1']:.2f}")
+    lines += bench_gamma.markdown(result)
     return "\n".join(lines)
 
 
@@ -571,7 +601,11 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     from bench_service import plot_curves
 
-    fig, (ax, ax_s) = plt.subplots(1, 2, figsize=(13, 4.8))
+    gamma = result.get("gamma_comparison")
+    fig, axes = plt.subplots(1, 3 if gamma else 2, figsize=(19 if gamma else 13, 4.8))
+    ax, ax_s = axes[0], axes[1]
+    if gamma:
+        bench_gamma.plot(gamma, axes[2])
     for hub, style in ((ONE_AT_A_TIME, "C0"), (BATCHED, "C1")):
         runs = [r for r in result["runs"] if r["mode"] == f"emulated-{hub}"]
         if not runs:

@@ -7,7 +7,16 @@ Each emulated target is its own DEALER connection with one sequence in flight. I
 target forward it waits ``--verify-ms`` (without blocking the loop) and draws the number of
 accepted tokens from an i.i.d. acceptance process with rate ``--alpha`` (seeded), so one process
 can stand in for far more targets than the machine could run as real models. The hub drafts for
-real. The report carries system and per-target throughput, per-token latency, bytes per round,
+real. ``--gamma 0`` opens every session with gamma 0, the hub's choice (``--gamma auto``): a
+PROPOSAL with no tokens and ``alone`` = K is then honoured as a real target does, by decoding K
+tokens alone (a wait of K standalone steps, ``--alone-step-ms``, random tokens) and sending them
+in one DRAFT with accepted 0. ``--verify-ms-per-token`` makes the verify time grow with the
+proposal (``--verify-ms`` + that per draft token), so that longer drafts cost the target what
+they cost a real one. ``--alpha-switch A --switch-at F`` changes the acceptance rate to A once F
+of the run after the warm-up has passed, and ``--trace-gamma`` (implied by a switch) records
+every session's proposal lengths round by round (``gamma_trace``).
+
+The report carries system and per-target throughput, per-token latency, bytes per round,
 each round's wait for its proposal (DRAFT sent to PROPOSAL received: the hub's queue wait and
 service plus the link), and from STATS replies over the measured window the hub's busy fraction,
 mean batch size and, when the hub counts them, its service time per batch size S(B).
@@ -60,6 +69,24 @@ class EmulationConfig:
     vocab_size: int = 0  # with ``tokenizer``: claim these instead of reading ``model``
     tokenizer: str = ""
     out: str | None = None
+    verify_ms_per_token: float = 0.0  # verify of g draft tokens: verify_ms + this * g
+    alone_step_ms: float = 0.0  # one token decoded alone (a span the hub asks for); 0: verify_ms
+    alpha_switch: float | None = None  # the acceptance rate once switch_at of the run has passed
+    switch_at: float = 0.5  # fraction of the run after the warm-up (window and calibration)
+    trace_gamma: bool = False  # record every session's proposal lengths (gamma_trace)
+
+    @property
+    def step_alone_s(self) -> float:
+        """Seconds per token a target decodes alone."""
+        return (self.alone_step_ms or self.verify_ms) / 1e3
+
+    def verify_s(self, gamma: int) -> float:
+        """Seconds one verify of ``gamma`` draft tokens takes."""
+        return (self.verify_ms + self.verify_ms_per_token * gamma) / 1e3
+
+    @property
+    def tracing(self) -> bool:
+        return self.trace_gamma or self.alpha_switch is not None
 
 
 @dataclass
@@ -74,6 +101,7 @@ class Phases:
 
     bounds: list[float] = field(default_factory=list)
     first_proposals: int = 0
+    switch: float = math.inf  # when the acceptance rate switches (with --alpha-switch)
 
     @property
     def finish(self) -> float:
@@ -86,6 +114,17 @@ class Phases:
         if i < 0 or i >= len(self.bounds) - 1:
             return None
         return "window" if i % 2 else "calibration"
+
+    def alpha(self, cfg: EmulationConfig, t: float) -> float:
+        """The acceptance rate at time ``t``."""
+        return cfg.alpha_switch if cfg.alpha_switch is not None and t >= self.switch else cfg.alpha
+
+
+def switch_time(bounds: list[float], cfg: EmulationConfig) -> float:
+    """When the acceptance rate switches: ``cfg.switch_at`` of the way through the schedule."""
+    if cfg.alpha_switch is None or not bounds:
+        return math.inf
+    return bounds[0] + cfg.switch_at * (bounds[-1] - bounds[0])
 
 
 def schedule(start: float, cfg: EmulationConfig) -> list[float]:
@@ -102,8 +141,14 @@ class TargetRecord:
     """What one emulated target measured inside the window (and in the calibration slices)."""
 
     tokens: int = 0
-    rounds: int = 0
+    rounds: int = 0  # verified proposals (spans alone not included)
     accepted: int = 0
+    proposed: int = 0  # draft tokens in those proposals
+    alone_spans: int = 0  # PROPOSALs with alone = K, honoured (in the window)
+    alone_tokens: int = 0
+    gammas: dict[int, int] = field(default_factory=dict)  # proposal length -> rounds (0: alone)
+    errors: int = 0  # sequences the hub ended with an ERROR (e.g. CONTEXT_FULL); reopened
+    traces: list[dict] = field(default_factory=list)  # --trace-gamma: one per session
     bytes: int = 0
     round_s: float = 0.0
     verify_s: float = 0.0
@@ -131,13 +176,24 @@ async def run_target(
     while time.perf_counter() < phases.finish:
         prompt = [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
         tag, inbox = await client.open(prompt, SamplingParams(), cfg.gamma)
-        await _one_sequence(client, cfg, rng, tag, inbox, phases, record)
+        trace: dict | None = None
+        if cfg.tracing:
+            trace = {"target": index, "opened_s": _since(phases), "gammas": [],
+                     "switch_round": None}  # fmt: skip
+            record.traces.append(trace)
+        await _one_sequence(client, cfg, rng, tag, inbox, phases, record, trace)
         await client.close_session(tag)
+
+
+def _since(phases: Phases) -> float | None:
+    """Seconds since the warm-up ended (None during the warm-up)."""
+    return time.perf_counter() - phases.bounds[0] if phases.bounds else None
 
 
 async def _one_sequence(
     client: HubClient, cfg: EmulationConfig, rng: random.Random, tag: bytes,
     inbox: asyncio.Queue[protocol.Message], phases: Phases, record: TargetRecord,
+    trace: dict | None = None,
 ) -> None:  # fmt: skip
     seq, generated, asked = 0, 0, time.perf_counter()
     while generated < cfg.max_new_tokens and time.perf_counter() < phases.finish:
@@ -145,27 +201,75 @@ async def _one_sequence(
         if msg is None:  # the run ended while the hub was still drafting it: stop waiting
             return
         verify_started = time.perf_counter()
+        if isinstance(msg, protocol.Error):  # e.g. CONTEXT_FULL: this sequence ends here
+            record.errors += 1
+            return
         if not isinstance(msg, Proposal):
             raise RuntimeError(f"hub: {msg}")
         if not record.had_proposal:
             record.had_proposal = True
             phases.first_proposals += 1
-        await asyncio.sleep(cfg.verify_ms / 1e3)
-        accepted = accepted_count(rng, cfg.alpha, len(msg.tokens))
-        now = time.perf_counter()
-        kind = phases.kind(now)  # by when the round ends; rounds after the end do not count
-        if kind == "window":
-            _record_round(record, msg, accepted, now - asked)
-            record.verify_s += now - verify_started  # the timer overshoots the nominal time
-            if seq > 0:  # after a DRAFT (the first proposal answers the OPEN, prefill included)
-                record.proposal_wait_s.append(verify_started - asked)
-        elif kind == "calibration":
-            record.calibration_rounds += 1
-            record.calibration_verify_s += now - verify_started
-        generated += accepted + 1
+        if trace is not None:
+            if trace["switch_round"] is None and verify_started >= phases.switch:
+                trace["switch_round"] = len(trace["gammas"])
+            trace["gammas"].append(len(msg.tokens))
+        if not len(msg.tokens) and msg.alone <= 0:  # nothing to verify nor to decode: the hub
+            return  # cannot draft further (its context); a real target would finish alone
+        accepted, appended = await _answer(cfg, rng, client.info.vocab_size, msg, phases,
+                                           cfg.max_new_tokens - generated)  # fmt: skip
+        _account(record, phases, msg, accepted, appended, (asked, verify_started),
+                 first=seq == 0, step_s=cfg.step_alone_s)  # fmt: skip
+        generated += accepted + len(appended)
         seq += 1
         asked = time.perf_counter()
-        await client.draft(tag, seq, accepted, [rng.randrange(client.info.vocab_size)])
+        await client.draft(tag, seq, accepted, appended)
+
+
+async def _answer(cfg: EmulationConfig, rng: random.Random, vocab: int, msg: Proposal,
+                  phases: Phases, left: int) -> tuple[int, list[int]]:  # fmt: skip
+    """Verify the proposal (wait the verify time, draw the accepted count), or decode the span
+    alone (as far as the sequence goes) that it asks for: (accepted, tokens appended). A span
+    stops where the run does (its tokens after the end would never count)."""
+    gamma = len(msg.tokens)
+    if gamma:
+        started = time.perf_counter()
+        await asyncio.sleep(cfg.verify_s(gamma))
+        return accepted_count(rng, phases.alpha(cfg, started), gamma), [rng.randrange(vocab)]
+    span = max(1, min(msg.alone, left))
+    await asyncio.sleep(min(span * cfg.step_alone_s,
+                            max(0.0, phases.finish - time.perf_counter())))  # fmt: skip
+    return 0, [rng.randrange(vocab) for _ in range(span)]
+
+
+def _account(record: TargetRecord, phases: Phases, msg: Proposal, accepted: int,
+             appended: list[int], times: tuple[float, float], first: bool,
+             step_s: float = 0.0) -> None:  # fmt: skip
+    """Count the round where it ended: in a window slice, a calibration slice, or neither.
+    ``times``: when the request went out (the DRAFT or OPEN) and when the proposal came in.
+
+    A span decoded alone (gamma 0, ``step_s`` per token) is counted token by token, each where
+    it was decoded: spans last far longer than a verify (up to 256 steps), and counting a whole
+    span where it ended would credit its tokens to the wrong slices and lose the span in
+    progress when the run ends.
+    """
+    asked, received = times
+    now = time.perf_counter()
+    if not len(msg.tokens):
+        decoded = [received + (i + 1) * step_s for i in range(len(appended))]
+        counted = sum(1 for t in decoded if t <= now and phases.kind(t) == "window")
+        if counted:  # (latency: the span's time spread over all its tokens)
+            _record_round(record, msg, 0, appended[:counted],
+                          (now - asked) * counted / len(appended))  # fmt: skip
+        return
+    kind = phases.kind(now)  # by when the round ends; rounds after the end do not count
+    if kind == "window":
+        _record_round(record, msg, accepted, appended, now - asked)
+        record.verify_s += now - received  # the timer overshoots the nominal time
+        if not first:  # after a DRAFT (the first proposal answers the OPEN, prefill included)
+            record.proposal_wait_s.append(received - asked)
+    elif kind == "calibration":
+        record.calibration_rounds += 1
+        record.calibration_verify_s += now - received
 
 
 async def _next_message(inbox: asyncio.Queue[protocol.Message], phases: Phases
@@ -181,13 +285,23 @@ async def _next_message(inbox: asyncio.Queue[protocol.Message], phases: Phases
         return None
 
 
-def _record_round(record: TargetRecord, msg: Proposal, accepted: int, round_s: float) -> None:
-    tokens = accepted + 1
-    record.rounds += 1
+def _record_round(record: TargetRecord, msg: Proposal, accepted: int, appended: list[int],
+                  round_s: float) -> None:  # fmt: skip
+    """One round in the window: a verify (gamma >= 1), or a span decoded alone (gamma 0)."""
+    gamma = len(msg.tokens)
+    tokens = accepted + len(appended)
+    record.gammas[gamma] = record.gammas.get(gamma, 0) + 1
+    if gamma:
+        record.rounds += 1
+        record.proposed += gamma
+        record.accepted += accepted
+        record.round_s += round_s
+    else:
+        record.alone_spans += 1
+        record.alone_tokens += tokens
     record.tokens += tokens
-    record.accepted += accepted
-    record.round_s += round_s
-    record.bytes += sum(len(bytes(f)) for f in protocol.encode(msg)) + 64  # + the DRAFT
+    # + the DRAFT: 60 B of header and framing, 4 B per token appended
+    record.bytes += sum(len(bytes(f)) for f in protocol.encode(msg)) + 60 + 4 * len(appended)
     record.token_latency_s.extend([round_s / tokens] * tokens)
 
 
@@ -201,6 +315,7 @@ async def emulate(cfg: EmulationConfig) -> dict:
         tasks = [asyncio.create_task(run_target(c, cfg, i, phases, records[i]))
                  for i, c in enumerate(clients)]  # fmt: skip
         await _warm_up(cfg, phases, tasks)
+        phases.switch = switch_time(phases.bounds, cfg)
         snapshots, cpu = [], []
         for bound in phases.bounds:
             await asyncio.sleep(max(0.0, bound - time.perf_counter()))
@@ -213,8 +328,9 @@ async def emulate(cfg: EmulationConfig) -> dict:
         ctx.term()
     spans = list(itertools.pairwise(snapshots))
     (wall0, cpu0), (wall1, cpu1) = cpu[0], cpu[-1]
+    traced = {"gamma_trace": [t for r in records for t in r.traces]} if cfg.tracing else {}
     return {**report(cfg, records, spans[1::2]),
-            "calibration": calibration_report(records, spans[::2]),
+            "calibration": calibration_report(records, spans[::2]), **traced,
             # near 1: this process is the bottleneck, not the hub (split the targets)
             "emulator_cpu_fraction": (cpu1 - cpu0) / (wall1 - wall0)}
 
@@ -304,6 +420,12 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], spans: list[Span])
     latencies = sorted(x for r in records for x in r.token_latency_s)
     tokens = sum(r.tokens for r in records)
     rounds = sum(r.rounds for r in records)
+    proposed = sum(r.proposed for r in records)
+    alone_spans = sum(r.alone_spans for r in records)
+    gammas: dict[int, int] = {}
+    for r in records:
+        for g, count in r.gammas.items():
+            gammas[g] = gammas.get(g, 0) + count
     hub = hub_counters(spans)
     wall, jobs = hub["wall_s"], max(hub["jobs"], 1)
     return {
@@ -316,8 +438,14 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], spans: list[Span])
         "hub_busy_s": hub["busy_s"],
         "hub_jobs": hub["jobs"],
         "queue_wait_ms": 1e3 * hub["queue_wait_s"] / jobs,
-        "acceptance_rate": sum(r.accepted for r in records) / max(rounds * cfg.gamma, 1),
+        "acceptance_rate": sum(r.accepted for r in records) / max(proposed, 1),
         "mean_accepted": sum(r.accepted for r in records) / max(rounds, 1),
+        # the gammas the hub chose (fixed: the OPEN's), 0 for spans decoded alone
+        "gamma_counts": {str(g): c for g, c in sorted(gammas.items())},
+        "mean_gamma": proposed / max(rounds + alone_spans, 1),
+        "alone_spans": alone_spans,
+        "alone_tokens": sum(r.alone_tokens for r in records),
+        "sequence_errors": sum(r.errors for r in records),
         "bytes_per_round": sum(r.bytes for r in records) / max(rounds, 1),
         "rounds": rounds,
         "tokens_in_window": tokens,
@@ -337,7 +465,19 @@ def parse_args(argv: list[str] | None = None) -> EmulationConfig:
     p.add_argument("--targets", type=int, default=EmulationConfig.targets)
     p.add_argument("--alpha", type=float, default=EmulationConfig.alpha)
     p.add_argument("--verify-ms", type=float, default=EmulationConfig.verify_ms)
-    p.add_argument("--gamma", type=int, default=EmulationConfig.gamma)
+    p.add_argument("--gamma", type=int, default=EmulationConfig.gamma,
+                   help="the gamma each OPEN names; 0: the hub's choice (its --gamma auto)")
+    p.add_argument("--verify-ms-per-token", type=float,
+                   default=EmulationConfig.verify_ms_per_token,
+                   help="verify time grows by this per draft token (--verify-ms + it * gamma)")
+    p.add_argument("--alone-step-ms", type=float, default=EmulationConfig.alone_step_ms,
+                   help="one token decoded alone (gamma 0 spans); 0: --verify-ms")
+    p.add_argument("--alpha-switch", type=float, default=EmulationConfig.alpha_switch,
+                   help="the acceptance rate from --switch-at of the run on")
+    p.add_argument("--switch-at", type=float, default=EmulationConfig.switch_at,
+                   help="fraction of the run after the warm-up at which alpha switches")
+    p.add_argument("--trace-gamma", action="store_true",
+                   help="record each session's proposal lengths round by round")
     p.add_argument("--duration", type=float, default=EmulationConfig.duration)
     p.add_argument("--warmup", type=float, default=EmulationConfig.warmup)
     p.add_argument("--calibration", type=float, default=EmulationConfig.calibration,

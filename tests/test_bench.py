@@ -145,3 +145,75 @@ def test_latency_steadiness_picks_the_runs_it_names() -> None:
         "cv_at_n_full": pytest.approx(0.25), "cv_one_to_one_same_machine": pytest.approx(0.2),
     }  # fmt: skip
 
+
+
+def test_verify_time_alone_step_and_the_switch() -> None:
+    """Catches: the per-token verify cost left out or applied to gamma + 1, an alone step that
+    ignores its option, and alpha switching before its time or without --alpha-switch."""
+    from emulated import switch_time
+
+    cfg = EmulationConfig(hub="", verify_ms=16.0, verify_ms_per_token=1.5, alone_step_ms=0.0,
+                          alpha=0.9, alpha_switch=0.3, switch_at=0.25)  # fmt: skip
+    assert cfg.verify_s(4) == pytest.approx(0.022) and cfg.verify_s(1) == pytest.approx(0.0175)
+    assert cfg.step_alone_s == pytest.approx(0.016)  # 0: the verify time of no draft token
+    assert replace(cfg, alone_step_ms=9.0).step_alone_s == pytest.approx(0.009)
+    phases = Phases(bounds=[10.0, 11.0, 14.0])
+    phases.switch = switch_time(phases.bounds, cfg)
+    assert phases.switch == pytest.approx(11.0) and cfg.tracing
+    assert phases.alpha(cfg, 10.9) == 0.9 and phases.alpha(cfg, 11.0) == 0.3
+    plain = replace(cfg, alpha_switch=None)
+    assert switch_time(phases.bounds, plain) == float("inf") and not plain.tracing
+    assert Phases().alpha(plain, 1e9) == 0.9
+
+
+async def test_emulated_targets_honour_spans_alone(
+    llama_pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """gamma 0 under a hub that always says alone (--gamma 0): every round is a span decoded
+    alone, counted as tokens (not as verified rounds), and the hub drafts nothing."""
+    from starsd import hub as hub_module
+    from starsd import transport
+
+    config = hub_module.HubConfig(model=str(llama_pair[1]), bind="tcp://127.0.0.1:*",
+                                  stats_interval=3600, gamma=0)  # fmt: skip
+    hub = hub_module.build_hub(config)
+    ctx = transport.new_context()
+    import asyncio
+
+    task = asyncio.create_task(hub.serve(ctx))
+    while not hub.endpoint:
+        await asyncio.sleep(0.01)
+    try:
+        cfg = EmulationConfig(hub=hub.endpoint, targets=2, gamma=0, verify_ms=2.0,
+                              alone_step_ms=0.2, duration=0.6, warmup=0.2, calibration=0.3,
+                              model=str(llama_pair[0]), trace_gamma=True)  # fmt: skip
+        report = await emulate(cfg)
+    finally:
+        hub.stop()
+        await asyncio.wait_for(task, 10)
+        ctx.term()
+    assert report["rounds"] == 0 and report["alone_spans"] > 0
+    assert set(report["gamma_counts"]) == {"0"} and report["mean_gamma"] == 0.0
+    assert report["alone_tokens"] == report["tokens_in_window"] > report["alone_spans"]
+    assert report["sequence_errors"] == 0
+    assert report["gamma_trace"] and all(set(t["gammas"]) <= {0} for t in report["gamma_trace"])
+
+
+async def test_emulated_auto_gamma_and_switch_trace(
+    running_hub: RunningHub, llama_pair: tuple[Path, Path]
+) -> None:
+    """gamma 0 on a --gamma auto hub: proposals of the hub's choosing (any length, spans alone
+    allowed), acceptance counted against the tokens proposed, and a trace per session that
+    marks where the switch fell."""
+    cfg = EmulationConfig(hub=running_hub.endpoint, targets=2, gamma=0, alpha=0.9,
+                          verify_ms=2.0, verify_ms_per_token=0.2, duration=0.8, warmup=0.2,
+                          calibration=0.4, model=str(llama_pair[0]), alpha_switch=0.3,
+                          switch_at=0.5)  # fmt: skip
+    report = await emulate(cfg)
+    counts = report["gamma_counts"]
+    assert sum(counts.values()) == report["rounds"] + report["alone_spans"] > 0
+    assert 0.0 <= report["acceptance_rate"] <= 1.0
+    traces = report["gamma_trace"]
+    assert {t["target"] for t in traces} == {0, 1}
+    crossed = [t for t in traces if t["switch_round"] is not None]
+    assert crossed and all(0 <= t["switch_round"] <= len(t["gammas"]) for t in crossed)

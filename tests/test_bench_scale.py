@@ -186,3 +186,163 @@ def test_quick_scale_sweep_stops_at_128() -> None:
     assert bench.parse_args(["--suite", "scale", "--quick"]).scale_ns[-1] == 128
     assert bench.parse_args(["--suite", "scale"]).scale_ns[-1] == 256
     assert bench.parse_args(["--quick", "--scale-ns", "1", "256"]).scale_ns == (1, 256)
+
+
+# -------------------------------------------------- issue 15: gamma auto, pre-drafting
+
+import bench_assisted  # noqa: E402
+import bench_common  # noqa: E402
+import bench_gamma  # noqa: E402
+
+
+def test_gamma_order_rotates_every_mode_through_every_position() -> None:
+    """Catches: a fixed order (auto always last, where the machine may be slowest), a mode or
+    an N left out, and the rotation not moving by one per N."""
+    order = bench_gamma.gamma_order([1, 8, 64])
+    assert len(order) == 15 and {n for n, _ in order} == {1, 8, 64}
+    firsts = [order[i * 5][1] for i in range(3)]
+    assert firsts == [1, 2, 4]
+    assert [m for n, m in order if n == 8] == [2, 4, 8, "auto", 1]
+    assert all(sorted(map(str, (m for n, m in order if n == k))) == sorted(map(str,
+               bench_gamma.MODES)) for k in (1, 8, 64))  # fmt: skip
+
+
+def test_settle_rounds_ignores_probes_and_needs_a_tail() -> None:
+    """Catches: the settled value taken from before the switch, probes (a round right after a
+    span alone) counted as unsettled, an off-by-one from the switch round, and a verdict on a
+    trace too short after the switch."""
+    before = [6, 7, 6, 7, 6]
+    after = [6, 5, 4, 3, 2, 1, 0, 3, 0, 1, 0, 1, 0, 1]  # the 3 after a 0 is a probe
+    gammas = before + after
+    assert bench_gamma.settle_rounds(gammas, len(before)) == 5  # from the first 1
+    assert bench_gamma.settle_rounds([4] * 8, 2) == 0  # nothing to adapt
+    assert bench_gamma.settle_rounds([8, 8, 2, 2], 2) is None  # too few rounds after
+    assert bench_gamma.settle_rounds(gammas, None) is None  # no switch inside the trace
+
+
+def _report(n: int, tokens: float, gammas: dict[str, int] | None = None) -> dict:
+    counts = gammas or {"4": 10}
+    mean = sum(int(g) * c for g, c in counts.items()) / sum(counts.values())
+    return {"n_targets": n, "system_tokens_per_s": tokens, "per_target_tokens_per_s": tokens / n,
+            "hub_busy_fraction": 1.0, "acceptance_rate": 0.5, "mean_accepted": 2.0,
+            "latency_ms": {"mean": 1.0, "p50": 1.0, "p99": 1.0, "std": 0.0},
+            "bytes_per_round": 100.0, "queue_wait_ms": 1.0, "mean_gamma": mean,
+            "gamma_counts": counts, "alone_tokens": 0, "verify_ms": 22.0}  # fmt: skip
+
+
+def test_gamma_comparison_picks_the_best_fixed_gamma_per_n() -> None:
+    """Catches: auto compared with the mean or the last fixed gamma instead of the best, the
+    ratio inverted, a miss at one N hidden by the others, and the model left out."""
+    reports = {
+        "gamma-fixed-1": [_report(1, 100), _report(8, 300)],
+        "gamma-fixed-2": [_report(1, 120), _report(8, 400)],
+        "gamma-fixed-4": [_report(1, 110), _report(8, 500)],
+        "gamma-fixed-8": [_report(1, 90), _report(8, 450)],
+        "gamma-auto": [_report(1, 118, {"2": 8, "0": 2}), _report(8, 460)],
+    }
+    inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.022, 0.001, 0.016, max_batch=64,
+                                  curve=analytic.ServiceCurve(((1, 0.005), (8, 0.01))))
+    out = bench_gamma.compare(reports, inputs)
+    one, eight = out["by_n"]["1"], out["by_n"]["8"]
+    assert one["best_fixed"] == 2 and one["auto_over_best_fixed"] == pytest.approx(118 / 120)
+    assert eight["best_fixed"] == 4 and eight["auto_over_best_fixed"] == pytest.approx(0.92)
+    assert one["ok"] is True and eight["ok"] is False and out["all_ok"] is False
+    assert out["min_auto_over_best_fixed"] == pytest.approx(0.92)
+    assert one["auto_alone_fraction"] == pytest.approx(0.2)
+    assert set(one["model"]["fixed_tokens_per_s"]) == {"1", "2", "4", "8"}
+    records = bench_gamma.records(reports, inputs)
+    assert len(records) == 10 and {r["mode"] for r in records} == {
+        "gamma-fixed-1", "gamma-fixed-2", "gamma-fixed-4", "gamma-fixed-8", "gamma-auto"}
+    auto_one = next(r for r in records if r["mode"] == "gamma-auto" and r["n_targets"] == 1)
+    assert auto_one["predicted_system_tokens_per_s"] == pytest.approx(
+        analytic.auto_gamma(inputs, 1)[1].system_tokens_per_s)
+    fixed_eight = next(r for r in records if r["mode"] == "gamma-fixed-8" and r["n_targets"] == 8)
+    assert fixed_eight["predicted_system_tokens_per_s"] == pytest.approx(
+        analytic.predict_at(inputs, 8, 8).system_tokens_per_s)
+    # the comparison's own inputs: its fixed-4 runs' verify time, T_alone = auto_verify_ms
+    own = bench_gamma.model_inputs(bench.parse_args([]), inputs, reports)
+    assert own is not None and own.verify_s == pytest.approx(0.022)
+    assert own.target_step_s == pytest.approx(0.016) and own.curve == inputs.curve
+
+
+def test_switch_summary_keeps_only_sessions_across_the_switch() -> None:
+    trace = [
+        {"target": 0, "gammas": [6] * 10 + [2, 1, 0, 1, 0, 1, 0, 1, 0], "switch_round": 10},
+        {"target": 1, "gammas": [4, 4, 4], "switch_round": None},  # ended before the switch
+        {"target": 2, "gammas": [1, 0, 1], "switch_round": 0},  # opened after it
+    ]
+    out = bench_gamma.switch_summary({"n_targets": 4, "gamma_trace": trace}, None)
+    assert [s["target"] for s in out["sessions"]] == [0]
+    session = out["sessions"][0]
+    assert session["settle_rounds"] == 1 and session["gamma_before"] == 6
+    assert out["max_settle_rounds"] == 1 and out["all_within_limit"] is True
+
+
+HUB_LOG = """\
+2026-12-01 10:00:00 starsd.hub INFO target aa01/starsd-target connected (vocab 2048)
+2026-12-01 10:00:01 starsd.hub INFO hub: targets=1 sessions=1 jobs=10 batches=9 mean_batch=1.11 \
+S_ms=1:5.00 draft_busy=0.300 draft_ms_per_job=5.00 cpu_ms_per_job=4.00 messages=30 errors_sent=0 \
+expired=0 dropped=0 unauthenticated=0 over_budget=0 predraft_s=0.50 replies_dropped=0
+2026-12-01 10:00:01 starsd.hub INFO target aa01/starsd-target: sessions=1 rounds=9 \
+mean_accepted=2.00 acceptance=0.500 gamma=4.00 gamma0=0.000 queue_wait_ms=0.40 \
+predraft_hits=0.20 errors=0
+2026-12-01 10:00:02 starsd.hub INFO target bb02/starsd-target connected (vocab 2048)
+2026-12-01 10:00:02 starsd.hub INFO target aa01/starsd-target: sessions=1 rounds=30 \
+mean_accepted=2.00 acceptance=0.500 gamma=4.00 gamma0=0.000 queue_wait_ms=1.00 \
+predraft_hits=0.50 errors=0
+2026-12-01 10:00:02 starsd.hub INFO target bb02/starsd-target: sessions=1 rounds=10 \
+mean_accepted=1.00 acceptance=0.250 gamma=2.00 gamma0=0.500 queue_wait_ms=3.00 \
+predraft_hits=0.10 errors=0
+2026-12-01 10:00:02 starsd.hub INFO hub: targets=2 sessions=0 jobs=50 batches=40 mean_batch=1.25 \
+S_ms=1:5.00 draft_busy=0.300 draft_ms_per_job=5.00 cpu_ms_per_job=4.00 messages=90 errors_sent=0 \
+expired=0 dropped=0 unauthenticated=0 over_budget=0 predraft_s=1.25 replies_dropped=0
+"""
+
+
+def test_hub_log_gives_each_targets_last_figures() -> None:
+    """Catches: the first stats line of a target taken instead of its last, targets mixed up,
+    the pooled figures weighted equally instead of by rounds (alone rounds included), and the
+    hub line's predraft_s read from an earlier line."""
+    lines = bench_common.target_lines(HUB_LOG)
+    assert lines["aa01/starsd-target"]["predraft_hits"] == 0.5
+    assert lines["aa01/starsd-target"]["rounds"] == 30
+    assert lines["bb02/starsd-target"]["queue_wait_ms"] == 3.0
+    assert bench_common.connected_targets(HUB_LOG) == ["aa01/starsd-target", "bb02/starsd-target"]
+    assert bench_common.hub_line(HUB_LOG)["predraft_s"] == 1.25
+    pooled = bench_common.pooled_targets(lines, bench_common.connected_targets(HUB_LOG))
+    # weights: 30 rounds; 10 rounds + 10 alone (gamma0 0.5) = 20
+    assert pooled["hit_rate"] == pytest.approx((0.5 * 30 + 0.1 * 20) / 50)
+    assert pooled["queue_wait_ms"] == pytest.approx((1.0 * 30 + 3.0 * 20) / 50)
+    assert pooled["targets"] == 2 and pooled["rounds"] == 40
+    only = bench_common.pooled_targets(lines, ["bb02/starsd-target", "gone/x"])
+    assert only["targets"] == 1 and only["hit_rate"] == pytest.approx(0.1)
+
+
+def test_paired_rotation_and_summary() -> None:
+    """Catches: one fixed order across repetitions, means instead of medians, ratios inverted
+    or taken against the wrong base, and identity checked on a mode without ids."""
+    order = bench_assisted.rotation(bench_assisted.MODES, 3)
+    assert [o[0] for o in order] == ["hf-assisted", "centralized", "hub-defaults"]
+    assert all(sorted(o) == sorted(bench_assisted.MODES) for o in order)
+    ids = [[1, 2], [3]]
+    results = {
+        "hf-assisted": [{"tokens_per_s": x, "token_ids": ids} for x in (80, 90, 200)],
+        "centralized": [{"tokens_per_s": x, "mean_accepted": 3.0} for x in (100, 100, 100)],
+        "hub-defaults": [{"tokens_per_s": x, "token_ids": ids, "mean_accepted": 2.5}
+                         for x in (99, 101, 1)],
+        "hub-gamma4-no-predraft": [{"tokens_per_s": 95.0, "token_ids": [[1, 2], [4]],
+                                    "mean_accepted": 2.8}] * 3,
+    }  # fmt: skip
+    out = bench_assisted.summary(results, order, ids, {})
+    assert out["median_tokens_per_s"]["hf-assisted"] == 90
+    assert out["ratios"]["hub_defaults_over_hf"] == pytest.approx(99 / 90)
+    assert out["ratios"]["hub_defaults_over_centralized"] == pytest.approx(0.99)
+    assert out["met"] == {"hub_over_hf": True, "hub_over_centralized": True}
+    assert out["identical_to_target_alone"] == {"hf-assisted": True, "hub-defaults": True,
+                                                "hub-gamma4-no-predraft": False}  # fmt: skip
+    assert out["ratios_per_rep"]["hub_defaults_over_hf"][2] == pytest.approx(1 / 200)
+    # the defaults against pre-drafting alone (gamma 4): auto's effect with pre-drafting on
+    results["hub-gamma4-predraft"] = [{"tokens_per_s": 110.0, "token_ids": ids}] * 3
+    effects = bench_assisted.summary(results, order, ids, {})["feature_effects"]
+    assert effects == {"auto_with_predraft": pytest.approx(99 / 110),
+                       "predraft_at_gamma4": pytest.approx(110 / 95)}
