@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_assisted
+import bench_predraft
 import bench_scale
 import torch
 from bench_common import BenchConfig, hub_overhead, hub_stats, run_record
@@ -130,12 +131,14 @@ def busy_between(before: Stats, after: Stats) -> tuple[float, float]:
 
 def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[str],
                 tag: str, prefixes: list[list[str]] | None = None,
-                concurrency: int = 1, extra: Sequence[str] = ()) -> list[list[dict]]:  # fmt: skip
+                concurrency: int = 1, extra: Sequence[str] = (),
+                cpus: set[int] | None = None) -> list[list[dict]]:  # fmt: skip
     """One target process per endpoint, all at once, each on the full prompt set.
 
     ``prefixes`` (one per target) run a target elsewhere, e.g. ``ip netns exec NS``;
     ``concurrency``: sequences each target keeps in flight (``--concurrency``); ``extra``: more
-    ``edge.target`` options, after (so overriding) these, e.g. ``--gamma 0``.
+    ``edge.target`` options, after (so overriding) these, e.g. ``--gamma 0``; ``cpus``: confine
+    the targets to these CPUs.
     """
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
@@ -147,7 +150,7 @@ def run_targets(cfg: BenchConfig, procs: Processes, work: Path, endpoints: list[
                 str(prompts), "--out", str(out), "--max-new-tokens", str(cfg.max_new_tokens),
                 "--gamma", str(cfg.gamma), "--concurrency", str(concurrency), *extra]  # fmt: skip
         prefix = prefixes[i] if prefixes else None
-        running.append((procs.start(args, work / f"{tag}-{i}.log", prefix), out))
+        running.append((procs.start(args, work / f"{tag}-{i}.log", prefix, cpus), out))
     rows = []
     for proc, out in running:
         if proc.wait(timeout=900) != 0:
@@ -200,6 +203,7 @@ def proposal_bytes(gamma: int) -> float:
 def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
     """standalone, centralized, distributed 1:1 and one-for-many on real models."""
     torch.set_num_threads(1)
+    phases = bench_scale.Phases()
     target, draft = models.load_causal_lm(cfg.target), models.load_causal_lm(cfg.draft)
     print("[main] standalone and centralized (in process) ...", flush=True)
     standalone, t_ar, reference = bench_standalone(target, cfg)
@@ -220,24 +224,42 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
             HubRun("one-for-many", max(cfg.ns), "eagle"),
             *batched_plan(cfg)]  # fmt: skip
     curve = service_points(LlmProposer(draft), target.vocab_size, cfg.gamma)
-    for run in plan:
-        print(f"[main] {run.mode} ({run.kind} drafter, max-batch {run.max_batch}) with {run.n} "
-              f"target process(es) x {run.concurrency} sequence(s) ...", flush=True)  # fmt: skip
-        runs.append(hub_run(cfg, procs, work, info, run, inputs, curve))
+    with phases("modes"):
+        for run in plan:
+            print(f"[main] {run.mode} ({run.kind} drafter, max-batch {run.max_batch}) with "
+                  f"{run.n} target process(es) x {run.concurrency} sequence(s) ...",
+                  flush=True)  # fmt: skip
+            runs.append(hub_run(cfg, procs, work, info, run, inputs, curve))
     print("[main] one hub + one target vs transformers' assisted generation and centralized, "
           "alternated ...", flush=True)  # fmt: skip
-    paired = bench_assisted.run(
-        cfg, procs, work, target, draft, PROMPTS, reference,
-        central=lambda: _rate(bench_centralized(target, LlmProposer(draft), cfg)[0]),
-        run_target=lambda ep, tag, extra: run_targets(cfg, procs, work, [ep], tag,
-                                                      extra=extra)[0])  # fmt: skip
+    with phases("paired"):
+        paired = bench_assisted.run(
+            cfg, procs, work, target, draft, PROMPTS, reference,
+            central=lambda: _rate(bench_centralized(target, LlmProposer(draft), cfg)[0]),
+            run_target=lambda ep, tag, extra: run_targets(cfg, procs, work, [ep], tag,
+                                                          extra=extra)[0])  # fmt: skip
     runs += paired_records(paired)
+    print("[main] pre-drafting: hit rate and queue wait, N = 1, 2, 4, greedy and sampled ...",
+          flush=True)  # fmt: skip
+    hub_cpus, target_cpus = bench_scale.placement()  # hubs on the first CPU, as in bench-scale
+    with phases("predraft"):
+        predraft = bench_predraft.run(
+            cfg, procs, work, draft,
+            lambda eps, tag, extra: run_targets(cfg, procs, work, eps, tag, extra=extra,
+                                                cpus=target_cpus),
+            bench_scale.batched_inputs(inputs, cfg.max_batch, curve) or inputs,
+            lambda ep, n, tag, extra: bench_scale.emulated_run(cfg, procs, work, info, ep, n,
+                                                               target_cpus, tag, extra),
+            hub_cpus)  # fmt: skip
     base = standalone["system_tokens_per_s"]
     return {"runs": runs, "model_inputs": analytic.inputs_as_json(inputs), "hub_overhead": overhead,
             "service_curve_in_process": [{"batch": b, "ms": 1e3 * t} for b, t in curve],
             "batched_vs_one_at_a_time": batched_comparison(runs),
             # one hub + one target vs transformers' assisted generation (scripts/bench_assisted.py)
             "vs_hf_assisted": paired,
+            # pre-draft hit rate and queue wait, with and without (scripts/bench_predraft.py)
+            "predraft": predraft,
+            "phase_s": phases.seconds,
             "eagle": {"draft_ms_per_round": 1e3 * measured_eagle["draft_s"],
                       "llm_draft_ms_per_round": 1e3 * measured["draft_s"],
                       "mean_accepted": measured_eagle["mean_accepted"],
@@ -368,7 +390,8 @@ def predicted(inputs: analytic.ModelInputs, sessions: int, run: HubRun,
 
 def markdown(result: dict) -> str:
     """The runs as a short markdown table, then the paired and pre-drafting comparisons."""
-    lines = [runs_table(result), *bench_assisted.markdown(result.get("vs_hf_assisted"))]
+    lines = [runs_table(result), *bench_assisted.markdown(result.get("vs_hf_assisted")),
+             *bench_predraft.markdown(result.get("predraft"))]
     return "\n".join(lines)
 
 

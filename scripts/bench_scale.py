@@ -141,7 +141,7 @@ class Phases:
             yield
         finally:
             self.seconds[name] = time.perf_counter() - started
-            print(f"[scale] {name}: {self.seconds[name]:.1f} s", flush=True)
+            print(f"[phase] {name}: {self.seconds[name]:.1f} s", flush=True)
 
 
 class RssSampler:

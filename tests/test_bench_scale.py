@@ -193,6 +193,7 @@ def test_quick_scale_sweep_stops_at_128() -> None:
 import bench_assisted  # noqa: E402
 import bench_common  # noqa: E402
 import bench_gamma  # noqa: E402
+import bench_predraft  # noqa: E402
 
 
 def test_gamma_order_rotates_every_mode_through_every_position() -> None:
@@ -346,3 +347,49 @@ def test_paired_rotation_and_summary() -> None:
     effects = bench_assisted.summary(results, order, ids, {})["feature_effects"]
     assert effects == {"auto_with_predraft": pytest.approx(99 / 110),
                        "predraft_at_gamma4": pytest.approx(110 / 95)}
+
+
+def test_predraft_cases_alternate_and_compare_against_one_step() -> None:
+    """Catches: the same hub always first, the added wait taken the wrong way round, and a case
+    passing with an added wait above one step."""
+    plan = bench_predraft.cases()
+    assert len(plan) == 6 and [p[2][0] for p in plan] == ["predraft", "no-predraft"] * 3
+    assert {(n, t) for n, t, _ in plan} == {(n, t) for n in (1, 2, 4) for t in (0.0, 0.8)}
+    twice = bench_predraft.cases(reps=2)  # A B B A within a case, and from case to case
+    assert [p[2][0] for p in twice[:4]] == ["predraft", "no-predraft", "no-predraft", "predraft"]
+    assert [(n, t) for n, t, _ in twice[:4]] == [(1, 0.0), (1, 0.0), (2, 0.0), (2, 0.0)]
+
+    def row(hub: str, n: int, wait: float, rate: float) -> dict:
+        return {"n_targets": n, "temperature": 0.0, "hub": hub, "system_tokens_per_s": rate,
+                "hit_rate": 0.4 if hub == "predraft" else 0.0, "queue_wait_ms": wait,
+                "mean_gamma": 4.0, "mean_accepted": 2.0}  # fmt: skip
+
+    rows = [row("predraft", 1, 1.5, 120.0), row("no-predraft", 1, 0.5, 100.0),
+            row("predraft", 2, 3.0, 150.0), row("no-predraft", 2, 0.5, 150.0),
+            row("predraft", 1, 1.3, 80.0), row("predraft", 1, 9.0, 130.0)]  # medians: 1.5, 120
+    steps = {"1": {"max_ms": 1.2}, "2": {"max_ms": 2.0}}
+    inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.01, 0.001, 0.02)
+    out = bench_predraft.summary(rows, steps, inputs)
+    one, two = out["cases"]["1/0.0"], out["cases"]["2/0.0"]
+    assert one["added_wait_ms"] == pytest.approx(1.0) and one["within_one_step"] is True
+    assert two["added_wait_ms"] == pytest.approx(2.5) and two["within_one_step"] is False
+    assert one["throughput_ratio"] == pytest.approx(1.2) and out["all_within_one_step"] is False
+    assert one["predicted_ratio"] > 1.0  # under-loaded: hits shorten the round
+    assert one["predraft"]["runs"] == 3 and one["predraft"]["system_tokens_per_s_each"] == [
+        120.0, 80.0, 130.0]
+    emulated = bench_predraft.emulated_summary([
+        {"n_targets": 1, "hub": "predraft", "queue_wait_ms": 1.0,
+         "proposal_wait_ms": {"p50": 5.0, "p99": 9.0}},
+        {"n_targets": 1, "hub": "no-predraft", "queue_wait_ms": 0.1,
+         "proposal_wait_ms": {"p50": 4.0, "p99": 6.0}}], steps)  # fmt: skip
+    case = emulated["by_n"]["1"]
+    assert case["added_queue_wait_ms"] == pytest.approx(0.9) and case["within_one_step"]
+    assert case["added_proposal_wait_p99_ms"] == pytest.approx(3.0)
+
+
+def test_predraft_steps_time_every_step(llama_pair: tuple[Path, Path]) -> None:
+    from starsd import models
+
+    draft = models.load_causal_lm(llama_pair[1])
+    times = bench_predraft.predraft_steps(draft, 2, gamma=3, repeats=2)
+    assert len(times) >= 2 * 2 and all(t > 0 for t in times)  # a probe and a branch batch
