@@ -509,7 +509,11 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         if name not in ("null", "null-pinned"):  # (those were stopped after their probes)
             stop(proc)
     reports, after = sweep["reports"], sweep["after"]
-    inputs = {h: sweep_inputs(cfg, reports[h], link_ms) for h in HUBS}
+    # c, the hub's serial cost per message when a batch's DRAFTs arrive back to back: measured
+    # by the overhead probe, outside the sweep's windows
+    per_message_s = overhead["back_to_back"]["added_ms"] / 1e3
+    inputs = {h: replace(sweep_inputs(cfg, reports[h], link_ms), per_message_s=per_message_s)
+              for h in HUBS}  # fmt: skip
     curve = pooled_points(curve_points(r["calibration"]) for r in reports[BATCHED])
     runs = {ONE_AT_A_TIME: [emulated_record(inputs[ONE_AT_A_TIME], r, ONE_AT_A_TIME)
                             for r in reports[ONE_AT_A_TIME]],

@@ -19,8 +19,10 @@ Terms (times per round of one target):
 N targets, one sequence each. Every round the hub must draft one job per target; with batches of
 at most M those N jobs form k = ceil(N / M) batches, as equal as possible (largest first:
 B_1 = ceil(N / k)). The hub's iteration takes T_gamma = T_busy + T_idle, where
-T_busy = sum_j S(B_j) and T_idle = max(0, S(B_1) + R - T_busy): a target's own cycle is at least
-its batch's service plus R, and the hub waits for verdicts when the other batches are done sooner.
+T_busy = sum_j S(B_j) and T_idle = max(0, S(B_1) + R + (B_1 - 1) c - T_busy): a target's own
+cycle is at least its batch's service plus R, plus the time its batch takes to assemble (the hub
+handles messages one after another, c each, and gathers a batch's jobs before drafting it), and
+the hub waits for verdicts when the other batches are done sooner.
 
   system tok/s = N * E[L] / T_gamma, per-target tok/s = E[L] / T_gamma, hub busy = T_busy / T_gamma.
 
@@ -138,6 +140,10 @@ class ModelInputs:
     max_batch: int = 1  # M: the most jobs the hub drafts in one batch
     curve: ServiceCurve | None = None  # S(B); None: one-at-a-time
     hit_rate: float = 0.0  # h: share of jobs answered from a pre-drafted branch when idle
+    # c: the hub's serial per-message handling (receive, decode, enqueue; deliver, send); the
+    # jobs of one batch arrive one after another, so the batch of B starts (B - 1) c after its
+    # first (gathering waits for them)
+    per_message_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_rate <= 1.0:
@@ -221,11 +227,12 @@ def _idle(inputs: ModelInputs, n_targets: int) -> tuple[float, float, int, int]:
     if n_targets < 1:
         raise ValueError(f"n_targets must be >= 1, got {n_targets}")
     busy, k, first = _busy(inputs, n_targets)
-    cycle = service_s(inputs, first) + round_trip_outside_hub(inputs)  # S(B_1) + R
+    arrivals = (first - 1) * inputs.per_message_s  # the batch's last job arrives this late
+    cycle = service_s(inputs, first) + round_trip_outside_hub(inputs) + arrivals
     if busy >= cycle or inputs.hit_rate == 0.0:
         return max(0.0, cycle - busy), busy, k, first
     miss = 1.0 - inputs.hit_rate
-    cycle = miss * service_s(inputs, first) + round_trip_outside_hub(inputs)
+    cycle = miss * service_s(inputs, first) + round_trip_outside_hub(inputs) + arrivals
     return max(0.0, cycle - miss * busy), miss * busy, k, first
 
 

@@ -27,6 +27,7 @@ own that a verdict crops with a slice.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -142,37 +143,57 @@ class RaggedBatch:
     def feed_positions(self) -> torch.Tensor:
         """Position ids [B, F] of the feed; a padding column repeats its row's last position."""
         offsets = torch.arange(self.fed_width)[None, :]  # [1, F]
-        fed = torch.tensor(self.fed)[:, None]  # [B, 1]
-        return torch.tensor(self.cached)[:, None] + torch.minimum(offsets, fed - 1)  # [B, F]
+        return self._cached[:, None] + torch.minimum(offsets, self._fed[:, None] - 1)  # [B, F]
 
     def step_positions(self, step: int) -> torch.Tensor:
         """Position ids [B, 1] of decode step ``step`` (0-based)."""
-        return (torch.tensor(self.cached) + torch.tensor(self.fed) + step)[:, None]
+        return (self._cached + self._fed + step)[:, None]
 
     def last_fed(self) -> torch.Tensor:
         """Index [B] into the F feed columns of each row's last real token."""
-        return torch.tensor(self.fed) - 1
+        return self._fed - 1
+
+    @property
+    def padded(self) -> bool:
+        """Whether any column is padding (rows differ in cached or fed length)."""
+        return len(set(self.cached)) > 1 or len(set(self.fed)) > 1
+
+    def mask(self, columns: int) -> torch.Tensor | None:
+        """:meth:`key_mask`, or None when nothing is padding (attention then needs no mask)."""
+        return self.key_mask(columns) if self.padded else None
 
     def key_mask(self, columns: int) -> torch.Tensor:
         """[B, columns] long: 1 where a column holds a row's real key, 0 for padding."""
         col = torch.arange(columns)[None, :]  # [1, T]
         c_max, f_max = self.cached_width, self.fed_width
-        cached = (col >= c_max - torch.tensor(self.cached)[:, None]) & (col < c_max)
-        fed = (col >= c_max) & (col < c_max + torch.tensor(self.fed)[:, None])
+        cached = (col >= c_max - self._cached[:, None]) & (col < c_max)
+        fed = (col >= c_max) & (col < c_max + self._fed[:, None])
         return (cached | fed | (col >= c_max + f_max)).long()
+
+    @functools.cached_property
+    def _cached(self) -> torch.Tensor:
+        return torch.tensor(self.cached)  # [B]
+
+    @functools.cached_property
+    def _fed(self) -> torch.Tensor:
+        return torch.tensor(self.fed)  # [B]
 
     def gather(self, caches: Sequence[SequenceCache], shapes: Sequence[tuple[int, int]],
                dtype: torch.dtype, device: torch.device) -> list[LayerBuffer]:  # fmt: skip
         """Per-layer buffers [B, heads, capacity, d] holding every row's cache, right-aligned.
 
-        ``shapes`` is (heads, d) per layer. Padding stays zero: masked, and never NaN.
+        ``shapes`` is (heads, d) per layer. The cached columns are zeroed first (padding is
+        masked, and must never be NaN); the feed and decode columns are written by the forwards.
+        (A row-by-row copy: measured faster here than one concatenation plus an indexed write.)
         """
         c_max = self.cached_width
         buffers = []
         for layer, (heads, dim) in enumerate(shapes):
             size = (self.rows, heads, self.capacity, dim)
-            keys = torch.zeros(size, dtype=dtype, device=device)
-            values = torch.zeros(size, dtype=dtype, device=device)
+            keys = torch.empty(size, dtype=dtype, device=device)
+            values = torch.empty(size, dtype=dtype, device=device)
+            keys[:, :, :c_max].zero_()  # one memset beats a small zeroing per row
+            values[:, :, :c_max].zero_()
             for row, cache in enumerate(caches):
                 if self.cached[row]:
                     k, v = cache.layers[layer]  # [heads, c_i, d]

@@ -241,8 +241,9 @@ class Attention(nn.Module):
         """Output [B, n, H] of q [B, h, n, d] over k, v [B, kv, T, d] where allowed [n, T]."""
         b, _, n, _ = q.shape
         group = self.config.num_attention_heads // self.config.num_key_value_heads
-        k = k.repeat_interleave(group, dim=1)  # [B, h, T, d]
-        v = v.repeat_interleave(group, dim=1)  # [B, h, T, d]
+        if group > 1:  # (a copy of the whole cache: skipped when every head has its own KV)
+            k = k.repeat_interleave(group, dim=1)  # [B, h, T, d]
+            v = v.repeat_interleave(group, dim=1)  # [B, h, T, d]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [B, h, n, d]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))  # [B, n, H]
 
@@ -263,16 +264,20 @@ class Attention(nn.Module):
         return self.attend(q, k, v, keys[None, :] <= positions[:, None])  # mask [n, T]
 
 
-    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor,
+                         key_mask: torch.Tensor | None,
                          buffer: LayerBuffer) -> torch.Tensor:  # fmt: skip
         """Attend a ragged batch ``x`` [B, n, H] at ``positions`` [B, n] over ``buffer``, whose
-        columns are real keys where ``key_mask`` [B, T] is 1 (see :mod:`starsd.batch`)."""
+        columns are real keys where ``key_mask`` [B, T] is 1 (every column when None; see
+        :mod:`starsd.batch`)."""
         n = x.shape[1]
         q, k, v = self.qkv(x, positions)
         first = buffer.filled
         keys, values = buffer.append(k, v)  # [B, kv, T, d]
         columns = torch.arange(keys.shape[2], device=x.device)
         causal = columns[None, :] <= first + torch.arange(n, device=x.device)[:, None]  # [n, T]
+        if key_mask is None:  # no padding: the causal mask alone
+            return self.attend(q, keys, values, causal)  # mask [n, T]
         allowed = causal[None, None] & key_mask.to(x.device).bool()[:, None, None, :]
         return self.attend(q, keys, values, allowed)  # mask [B, 1, n, T]
 
@@ -304,7 +309,8 @@ class DecoderLayer(nn.Module):
         """x [B, n, H] -> [B, n, H]."""
         return self.feed_forward(x + self.self_attn(x, start, cache))
 
-    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+    def forward_buffered(self, x: torch.Tensor, positions: torch.Tensor,
+                         key_mask: torch.Tensor | None,
                          buffer: LayerBuffer) -> torch.Tensor:  # fmt: skip
         """The layer over a ragged batch (see :meth:`Attention.forward_buffered`)."""
         attended = self.self_attn.forward_buffered(x, positions, key_mask, buffer)
@@ -354,7 +360,7 @@ class EagleHead(nn.Module):
         return out[0] if single else out
 
     def forward_buffered(self, token_ids: torch.Tensor, features: torch.Tensor,
-                         positions: torch.Tensor, key_mask: torch.Tensor,
+                         positions: torch.Tensor, key_mask: torch.Tensor | None,
                          buffer: LayerBuffer, embed: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Predicted next features [B, n, H] of a ragged batch of pairs ``token_ids`` [B, n],
         ``features`` [B, n, H] at ``positions`` [B, n], appended to ``buffer`` in place."""
@@ -405,7 +411,7 @@ class EagleHead(nn.Module):
 
 def logits_from_features(features: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     """Logits [n, V] of features [n, H] through the target's LM head weight [V, H]."""
-    return features @ lm_head.to(features.dtype).T
+    return F.linear(features, lm_head.to(features.dtype))  # no transposed copy of [V, H]
 
 
 @dataclass(frozen=True)
@@ -495,7 +501,7 @@ class LoadedEagle:
 
     @torch.inference_mode()
     def forward_batch(self, token_ids: torch.Tensor, features: torch.Tensor,
-                      positions: torch.Tensor, key_mask: torch.Tensor,
+                      positions: torch.Tensor, key_mask: torch.Tensor | None,
                       buffer: LayerBuffer) -> torch.Tensor:  # fmt: skip
         """Predicted features [B, n, H] of a ragged batch (see :mod:`starsd.batch`)."""
         ids = token_ids.to(device=self.device, dtype=torch.long)  # [B, n]

@@ -6,6 +6,7 @@ Any transformers causal-LM directory (or hub id, where the machine is online) lo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -143,7 +144,7 @@ def forward_batch(
     loaded: LoadedModel,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    key_mask: torch.Tensor,
+    key_mask: torch.Tensor | None,
     buffers: list[LayerBuffer],
     hidden: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,16 +152,19 @@ def forward_batch(
 
     Args:
         input_ids: [B, n] long; positions: [B, n] position ids; key_mask: [B, T] with
-            T = filled columns + n (1: a real key); buffers: one per layer, appended in place.
+            T = filled columns + n (1: a real key), None without padding; buffers: one per
+            layer, appended in place.
         hidden: also return the features EAGLE drafts from (see :func:`forward_with_features`).
 
     Returns:
         logits [B, n, V] float32 on CPU, and features [B, n, H] when ``hidden``.
     """
     cache = _buffer_cache(buffers)
+    # Without padding the mask says nothing: leave it out, so attention takes its causal path.
+    mask = None if key_mask is None else key_mask.to(loaded.device)
     with torch.inference_mode():
         out = loaded.model(input_ids=input_ids.to(loaded.device), cache=cache, use_cache=True,
-                           attention_mask=key_mask.to(loaded.device),
+                           attention_mask=mask,
                            position_ids=positions.to(loaded.device),
                            output_hidden_states=hidden)  # fmt: skip
     features = out.hidden_states[-1].float().cpu() if hidden else None
@@ -169,7 +173,17 @@ def forward_batch(
 
 def _buffer_cache(buffers: list[LayerBuffer]) -> Any:
     """A transformers cache whose layers append into ``buffers`` in place (no cat per step)."""
-    from transformers.cache_utils import Cache, DynamicLayer
+    from transformers.cache_utils import Cache
+
+    layer = _buffered_layer_class()
+    return Cache(layers=[layer(b) for b in buffers])
+
+
+@functools.cache
+def _buffered_layer_class() -> type:
+    """transformers' DynamicLayer, appending into a :class:`LayerBuffer` (made once: the class
+    needs transformers, which only this module imports, and only when a model is used)."""
+    from transformers.cache_utils import DynamicLayer
 
     class BufferedLayer(DynamicLayer):
         def __init__(self, buffer: LayerBuffer) -> None:
@@ -188,7 +202,7 @@ def _buffer_cache(buffers: list[LayerBuffer]) -> Any:
         def get_seq_length(self) -> int:
             return self.buffer.filled
 
-    return Cache(layers=[BufferedLayer(b) for b in buffers])
+    return BufferedLayer
 
 
 def hidden_size(loaded: LoadedModel) -> int:

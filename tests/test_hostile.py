@@ -65,7 +65,7 @@ async def test_close_removes_the_queued_job_so_churn_drafts_almost_nothing(
 ) -> None:
     """Attack 3. Catches: a CLOSEd session's job left in Q_in and drafted anyway (8,040
     OPEN+CLOSE pairs once queued ~5 minutes of drafting and +364 MB)."""
-    async with serving(llama_pair[1]) as hub:
+    async with serving(llama_pair[1], max_batch=1) as hub:  # _Slow's delay is per call
         raw = await _welcomed(hub, llama_target)
         hub.engine.proposer = slow = _Slow(hub.proposer, 0.02)  # drafting is the bottleneck
         opened = 0

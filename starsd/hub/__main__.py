@@ -54,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--max-batch", type=int, default=HubConfig.max_batch,
                    help="draft jobs (sessions) drafted together in one batched forward, taken "
                         "fairly across targets; 1 drafts one session at a time")
+    p.add_argument("--gather", action=argparse.BooleanOptionalAction, default=HubConfig.gather,
+                   help="before drafting a batch, wait (at most one batch's service time) for "
+                        "the verdicts due by then, so targets share batches instead of "
+                        "splitting into groups that take turns")
     p.add_argument("--predraft-branches", type=int, default=HubConfig.predraft_branches,
                    help="while no job waits, draft ahead for this many likely verdicts per "
                         "session whose proposal is out (draft-kind llm); 0 turns it off")

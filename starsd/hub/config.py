@@ -34,6 +34,7 @@ class HubConfig:
     insecure: bool = False  # allow plain text on a non-loopback bind
     peer_budget: float = 50.0  # messages/s a peer may send besides accepted DRAFTs (0: no limit)
     max_batch: int = 64  # draft jobs drafted together in one batch (1: one at a time)
+    gather: bool = True  # a batch waits for the verdicts due within one batch's service time
     predraft_branches: int = 4  # verdicts pre-drafted per session while idle (0: off; llm only)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from starsd import protocol
 from starsd.hub.drafters.base import DraftJob, Proposer
+from starsd.hub.gather import Returns
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import SessionTable
 from starsd.protocol import Error, Proposal
@@ -30,6 +31,9 @@ if TYPE_CHECKING:  # the engine only calls it; build.py makes one for draft-LLM 
 
 log = logging.getLogger("starsd.hub")
 
+_SERVICE_SMOOTHING = 0.2  # weight of the newest batch in the gathering window
+_GATHER_SLACK_S = 0.002  # wait this long past the last due verdict (arrival jitter)
+
 Send = Callable[[bytes, protocol.Message], bool]  # the hub's reply path; lock held
 
 
@@ -38,8 +42,10 @@ class DraftingEngine:
 
     def __init__(self, proposer: Proposer, q_in: FairQueue[DraftJob], table: SessionTable,
                  lock: threading.Lock, send: Send, stats: HubStats, max_batch: int = 1,
-                 predrafter: Predrafter | None = None) -> None:  # fmt: skip
+                 predrafter: Predrafter | None = None, gather: bool = True) -> None:  # fmt: skip
         self.proposer = proposer
+        self.returns = Returns() if gather and max_batch > 1 else None  # drafting thread's own
+        self.service_s = 0.0  # smoothed service time of a drafted batch: the gathering window
         self.max_batch = max_batch
         self.predrafter = predrafter  # the drafting thread's own; None: no pre-drafting
         self.q_in = q_in
@@ -66,7 +72,25 @@ class DraftingEngine:
 
     def _next_batch(self) -> list[DraftJob] | None:
         idle_work = self.predrafter is not None and self.predrafter.has_work()
-        return self.q_in.take(self.max_batch, block=not idle_work)
+        batch = self.q_in.take(self.max_batch, block=not idle_work)
+        return self._gathered(batch) if batch and self.returns is not None else batch
+
+    def _gathered(self, batch: list[DraftJob]) -> list[DraftJob]:
+        """``batch`` plus the jobs of sessions whose verdicts are due within one batch's
+        service time (see :mod:`starsd.hub.gather`): one batch instead of two in turn."""
+        assert self.returns is not None
+        for job in batch:
+            self.returns.arrived(job.tag, job.enqueued_at)
+        room = self.max_batch - len(batch)
+        now = time.perf_counter()
+        due, latest = self.returns.due(now, self.service_s)
+        if room <= 0 or due == 0:
+            return batch
+        self.q_in.wait_for(min(due, room), min(now + self.service_s, latest + _GATHER_SLACK_S))
+        more = self.q_in.take(room, block=False) or []
+        for job in more:
+            self.returns.arrived(job.tag, job.enqueued_at)
+        return batch + more
 
     def _serve(self, batch: list[DraftJob]) -> None:
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -84,7 +108,21 @@ class DraftingEngine:
             if drafted:  # busy time is the batch's whole service, delivery included: S(B)
                 self.stats.record_batch(len(drafted), time.perf_counter() - started,
                                         time.thread_time() - cpu_started)  # fmt: skip
+        if drafted:
+            self.service_s += _SERVICE_SMOOTHING * (time.perf_counter() - started - self.service_s)
+        self._sent(sent, results, batch)
         self._offer(sent)
+
+    def _sent(self, sent: list[DraftJob], results: dict[int, Proposal | Error],
+              batch: list[DraftJob]) -> None:  # fmt: skip
+        """Remember when proposals left, for gathering (not spans the target decodes alone)."""
+        if self.returns is None:
+            return
+        now, out = time.perf_counter(), set(map(id, sent))
+        for i, job in enumerate(batch):
+            result = results[i]
+            if id(job) in out and isinstance(result, Proposal) and not result.alone:
+                self.returns.sent(job.tag, now)
 
     def _deliver(self, job: DraftJob, result: Proposal | Error, started: float,
                  hit: bool) -> bool:  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -31,6 +32,7 @@ class FairQueue(Generic[T]):
         self._lock = threading.Lock()
         self._queues: OrderedDict[Hashable, deque[T]] = OrderedDict()  # non-empty deques only
         self._closed = False
+        self._size = 0  # jobs queued
         self._waiting = 0  # takers asleep on the doorbell, or about to be
         self._doorbell: queue.SimpleQueue[None] = queue.SimpleQueue()
 
@@ -38,6 +40,7 @@ class FairQueue(Generic[T]):
         """Queue ``job`` behind ``owner``'s earlier jobs."""
         with self._lock:
             self._queues.setdefault(owner, deque()).append(job)
+            self._size += 1
             ring = self._waiting > 0
             if ring:
                 self._waiting -= 1
@@ -55,6 +58,7 @@ class FairQueue(Generic[T]):
                 self._queues[owner] = kept  # keeps its place in the round
             else:
                 del self._queues[owner]
+            self._size -= len(jobs) - len(kept)
             return len(jobs) - len(kept)
 
     def clear(self) -> int:
@@ -62,6 +66,7 @@ class FairQueue(Generic[T]):
         with self._lock:
             dropped = sum(len(jobs) for jobs in self._queues.values())
             self._queues.clear()
+            self._size = 0
             return dropped
 
     def backlog(self) -> bool:
@@ -88,10 +93,30 @@ class FairQueue(Generic[T]):
     def _next(self) -> T:
         owner, jobs = next(iter(self._queues.items()))
         job = jobs.popleft()
+        self._size -= 1
         del self._queues[owner]
         if jobs:
             self._queues[owner] = jobs  # to the back of the round
         return job
+
+    def wait_for(self, count: int, deadline: float) -> None:
+        """Block until ``count`` jobs are queued, the queue is closed, or ``time.perf_counter()``
+        reaches ``deadline``. For the one taker (the drafting thread)."""
+        while True:
+            with self._lock:
+                timeout = deadline - time.perf_counter()
+                if self._size >= count or self._closed or timeout <= 0:
+                    return
+                self._waiting += 1
+            try:
+                self._doorbell.get(timeout=timeout)
+            except queue.Empty:
+                with self._lock:  # not rung: withdraw (a ring that raced us leaves a spare
+                    self._waiting = max(0, self._waiting - 1)  # wake-up; takers re-check)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._size
 
     def close(self) -> None:
         """Wake every taker; jobs still queued are taken first, then ``take`` returns None."""

@@ -111,7 +111,8 @@ class Hub:
         if predrafter is not None:  # (a stand-in with the pre-drafter's interface)
             predrafter = cast("Predrafter", PacedPredrafter(predrafter, self.pacing))
         self.engine = DraftingEngine(self.pacing, self.q_in, self.table, self.lock, self.send,
-                                     self.stats, config.max_batch, predrafter)  # fmt: skip
+                                     self.stats, config.max_batch, predrafter,
+                                     config.gather)  # fmt: skip
         self.router: router.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
         self.allow: auth.AllowList | None = None

@@ -160,12 +160,13 @@ def draw_step(logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int) -> t
     feeds its argmax, computed and then discarded.
     """
     fed = torch.argmax(logits, dim=-1)  # [B]
+    greedy = fed.tolist()  # one conversion for the batch, not one per row
     _record_alternatives(logits, rows, step)
     for i, row in enumerate(rows):
         if step >= row.gamma:
             continue
         if row.state.params.greedy:
-            row.tokens.append(int(fed[i]))
+            row.tokens.append(greedy[i])
             continue
         token, q = draw(logits[i], row.state.params, row.rng)
         row.tokens.append(token)

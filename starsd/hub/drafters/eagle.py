@@ -96,7 +96,7 @@ class EagleProposer:
             if step < batch.steps:
                 feature = self.head.forward_batch(fed[:, None], feature[:, None],
                                                   batch.step_positions(step),
-                                                  batch.key_mask(filled + step + 1),
+                                                  batch.mask(filled + step + 1),
                                                   buffer)[:, 0]  # [B, H]  # fmt: skip
         for i, row in enumerate(rows):  # commit only once every row has drawn
             _commit(row, batch.scatter([buffer], i, 0))  # the chained guesses are not kept
@@ -112,7 +112,7 @@ class EagleProposer:
                     feats[i, : len(row.ids)] = row.features
             out = self.head.forward_batch(batch.input_ids([r.ids for r in rows]), feats,
                                           batch.feed_positions(),
-                                          batch.key_mask(batch.cached_width + batch.fed_width),
+                                          batch.mask(batch.cached_width + batch.fed_width),
                                           buffer)  # [B, F, H]  # fmt: skip
             for i, row in enumerate(rows):
                 if row.ids:

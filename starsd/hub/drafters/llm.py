@@ -95,7 +95,7 @@ class LlmProposer:
                                self.draft.device)  # fmt: skip
         filled = batch.cached_width + batch.fed_width
         logits, _ = models.forward_batch(self.draft, batch.input_ids([r.feed for r in rows]),
-                                         batch.feed_positions(), batch.key_mask(filled),
+                                         batch.feed_positions(), batch.mask(filled),
                                          buffers)  # [B, F, V]  # fmt: skip
         logits = logits[torch.arange(batch.rows), batch.last_fed()]  # [B, V]
         for step in range(batch.steps + 1):
@@ -112,7 +112,7 @@ class LlmProposer:
         buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.draft.device)
         logits, _ = models.forward_batch(self.draft, batch.input_ids([[t] for t in tokens]),
                                          batch.feed_positions(),
-                                         batch.key_mask(batch.capacity), buffers)  # fmt: skip
+                                         batch.mask(batch.capacity), buffers)  # fmt: skip
         return logits[:, 0]
 
     def _step(self, batch: RaggedBatch, buffers: list, fed: torch.Tensor, step: int,
@@ -122,7 +122,7 @@ class LlmProposer:
         if self.max_positions is not None:  # rows already complete may run past their limit
             positions = positions.clamp(max=self.max_positions - 1)
         logits, _ = models.forward_batch(self.draft, fed[:, None], positions,
-                                         batch.key_mask(filled + step + 1), buffers)  # fmt: skip
+                                         batch.mask(filled + step + 1), buffers)  # fmt: skip
         return logits[:, 0]
 
 
