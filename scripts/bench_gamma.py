@@ -11,7 +11,7 @@ switch, with emulated targets against the real hub (run by ``scripts/bench_scale
 * **Acceptance switch.** A few emulated targets at gamma 0 on the auto hub, their acceptance
   rate switching from 0.9 to 0.3 half-way through the run; each session's proposal lengths
   round by round, and the rounds after the switch until the gamma the hub chooses settles
-  (target: within 50 rounds per session).
+  (:func:`settle_rounds`; target: within 50 rounds per session).
 * **The model beside them**: :func:`starsd.analytic.auto_gamma` (the same rule the hub applies,
   run against the model) and :func:`starsd.analytic.predict_at` for each fixed gamma, from the
   sweep's S(B) (calibration slices, gamma 4), the link time, the measured verify time at gamma 4
@@ -42,7 +42,7 @@ SWITCH_TARGETS, SWITCH_ALPHAS, SWITCH_AT = 4, (0.9, 0.3), 0.5
 SWITCH_DURATION_S, SWITCH_CALIBRATION_S = (6.0, 2.0), (10.0, 2.0)  # (quick, full)
 SWITCH_MAX_NEW_TOKENS = 900  # one session spans the run (the draft's context is 1024)
 SETTLE_LIMIT = 50  # rounds after the switch (the issue's target)
-SETTLE_TAIL, SETTLE_TOLERANCE = 6, 1  # the settled gamma: median of the last 6 rounds, +-1
+SETTLE_TAIL, SETTLE_TOLERANCE = 4, 1  # the settled gamma: median of the last 4 choices, +-1
 
 Emulate = Callable[[int, str, Sequence[str]], dict]  # (n, tag, extra args) -> report
 
@@ -192,28 +192,31 @@ def compare(reports: dict[str, list[dict]], inputs: analytic.ModelInputs | None)
 def settle_rounds(gammas: Sequence[int], switch_round: int | None, tail: int = SETTLE_TAIL,
                   tolerance: int = SETTLE_TOLERANCE) -> int | None:  # fmt: skip
     """Rounds after the switch until the chosen gamma settles, or None if the trace cannot tell
-    (no switch inside it, or fewer than ``tail`` rounds after it).
+    (no switch inside it, fewer than ``tail`` chosen rounds after it, or still moving at its
+    end).
 
-    The settled gamma is the median of the last ``tail`` rounds; the trace has settled at the
-    first round after the switch from which every later round is within ``tolerance`` of it.
-    Probes do not count against settling: a round right after a span alone (gamma 0) is the
-    policy's deliberate re-estimate, not its choice.
+    Probes do not count: a round right after a span alone (gamma 0) is the policy's deliberate
+    re-estimate, not its choice. The settled gamma is the median of the last ``tail`` chosen
+    rounds; the trace has settled at the first chosen round after the switch from which every
+    later chosen round is within ``tolerance`` of it.
     """
-    if switch_round is None or len(gammas) - switch_round < tail:
+    if switch_round is None:
         return None
-    final = statistics.median(gammas[-tail:])
-    settled = len(gammas)
-    for i in range(len(gammas) - 1, switch_round - 1, -1):
-        probe = i > 0 and gammas[i - 1] == 0
-        if not probe and abs(gammas[i] - final) > tolerance:
+    after = [(i, g) for i, g in _choices(gammas) if i >= switch_round]
+    if len(after) < tail:
+        return None
+    final = statistics.median(g for _, g in after[-tail:])
+    settled = None
+    for i, g in reversed(after):
+        if abs(g - final) > tolerance:
             break
         settled = i
-    return settled - switch_round
+    return None if settled is None else settled - switch_round
 
 
-def _chosen(gammas: Sequence[int]) -> list[int]:
-    """The rounds that are the policy's choice (probes after a span alone left out)."""
-    return [g for i, g in enumerate(gammas) if not (i > 0 and gammas[i - 1] == 0)]
+def _choices(gammas: Sequence[int]) -> list[tuple[int, int]]:
+    """(round, gamma) of the rounds that are the policy's choice (probes left out)."""
+    return [(i, g) for i, g in enumerate(gammas) if not (i > 0 and gammas[i - 1] == 0)]
 
 
 def switch_summary(report: dict, inputs: analytic.ModelInputs | None) -> dict:
@@ -224,12 +227,22 @@ def switch_summary(report: dict, inputs: analytic.ModelInputs | None) -> dict:
         gammas, at = trace["gammas"], trace["switch_round"]
         if at is None or at == 0:  # ended before the switch, or opened after it
             continue
-        before, after = _chosen(gammas[:at])[-10:], _chosen(gammas[at:])[-SETTLE_TAIL:]
+        chosen = _choices(gammas)
+        before = [g for i, g in chosen if i < at]
+        after = [g for i, g in chosen if i >= at]
+        settle = settle_rounds(gammas, at)
+        gamma_before = statistics.median(before[-10:]) if before else None
+        gamma_after = statistics.median(after[-SETTLE_TAIL:]) if after else None
+        # already at its new choice when the switch came (e.g. decoding alone) and there since:
+        # nothing to settle, even when the few long spans after it are too few to tell
+        unchanged = (settle is None and gamma_after is not None and bool(before)
+                     and all(abs(g - gamma_after) <= SETTLE_TOLERANCE
+                             for g in [before[-1], *after]))  # fmt: skip
         sessions.append({
             "target": trace["target"], "rounds": len(gammas), "switch_round": at,
-            "gamma_before": statistics.median(before) if before else None,
-            "gamma_after": statistics.median(after) if after else None,
-            "settle_rounds": settle_rounds(gammas, at), "gammas": gammas,
+            "gamma_before": gamma_before, "gamma_after": gamma_after,
+            "settle_rounds": 0 if unchanged else settle, "unchanged": unchanged,
+            "gammas": gammas,
         })  # fmt: skip
     settled = [s["settle_rounds"] for s in sessions if s["settle_rounds"] is not None]
     out = {"n_targets": report["n_targets"], "alphas": list(SWITCH_ALPHAS), "switch_at": SWITCH_AT,

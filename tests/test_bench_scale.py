@@ -219,6 +219,10 @@ def test_settle_rounds_ignores_probes_and_needs_a_tail() -> None:
     assert bench_gamma.settle_rounds([4] * 8, 2) == 0  # nothing to adapt
     assert bench_gamma.settle_rounds([8, 8, 2, 2], 2) is None  # too few rounds after
     assert bench_gamma.settle_rounds(gammas, None) is None  # no switch inside the trace
+    # still moving at the end of the trace: not settled (not "settled at its last round")
+    assert bench_gamma.settle_rounds([6, 6, 6, 5, 4, 3, 2], 2) is None
+    # the tail's median is over choices: alternating spans and probes settle at 0
+    assert bench_gamma.settle_rounds([7, 7, 7, 0, 7, 0, 6, 0, 7, 0], 2) == 1
 
 
 def _report(n: int, tokens: float, gammas: dict[str, int] | None = None) -> dict:
@@ -271,12 +275,19 @@ def test_switch_summary_keeps_only_sessions_across_the_switch() -> None:
         {"target": 0, "gammas": [6] * 10 + [2, 1, 0, 1, 0, 1, 0, 1, 0], "switch_round": 10},
         {"target": 1, "gammas": [4, 4, 4], "switch_round": None},  # ended before the switch
         {"target": 2, "gammas": [1, 0, 1], "switch_round": 0},  # opened after it
+        # alone (with probes) since before the switch, too few long spans after it to tell
+        {"target": 3, "gammas": [6, 6, 0, 4, 0, 4, 0, 4, 0], "switch_round": 6},
     ]
     out = bench_gamma.switch_summary({"n_targets": 4, "gamma_trace": trace}, None)
-    assert [s["target"] for s in out["sessions"]] == [0]
-    session = out["sessions"][0]
+    assert [s["target"] for s in out["sessions"]] == [0, 3]
+    session, alone = out["sessions"]
     assert session["settle_rounds"] == 1 and session["gamma_before"] == 6
+    assert session["unchanged"] is False
+    assert alone["settle_rounds"] == 0 and alone["unchanged"] is True
     assert out["max_settle_rounds"] == 1 and out["all_within_limit"] is True
+    moving = [{"target": 0, "gammas": [6] * 10 + [6, 5, 4, 3, 2], "switch_round": 10}]
+    out = bench_gamma.switch_summary({"n_targets": 1, "gamma_trace": moving}, None)
+    assert out["unsettled_sessions"] == 1 and out["all_within_limit"] is False
 
 
 HUB_LOG = """\
