@@ -59,6 +59,10 @@ WITH, WITHOUT = "predraft", "no-predraft"
 HUB_ARGS = {WITH: [], WITHOUT: ["--predraft-branches", "0"]}
 STEP_REPEATS, QUICK_STEP_REPEATS = 6, 3
 REPS, QUICK_REPS = 2, 1  # per case and hub: A B B A (QUICK: A B, the next case B A)
+# STATS sums queue waits over the targets connected now, so a target of an earlier run that the
+# hub forgets (3 heartbeats after its last message) inside a window takes its waits out of the
+# sum: the emulator's queue wait for that window reads low, even negative. Wait them out.
+LEASE_WAIT_S = 4.0
 PROMPT_TOKENS = 64
 
 # (endpoints, tag, extra target arguments) -> each target's JSONL rows
@@ -159,6 +163,7 @@ def emulated_delay(cfg: BenchConfig, emulate: Emulate, endpoints: dict[str, str]
              "--verify-ms-per-token", str(cfg.auto_verify_per_token_ms)]  # fmt: skip
     for n, _, order in cases(temperatures=(0.0,)):
         for hub in order:
+            time.sleep(LEASE_WAIT_S)  # the last run's targets forgotten before this window
             r = emulate(endpoints[hub], n, f"-predraft-{hub}", extra)
             out.append({"n_targets": n, "hub": hub, "queue_wait_ms": r["queue_wait_ms"],
                         "proposal_wait_ms": r["proposal_wait_ms"],
