@@ -1,0 +1,1 @@
+"""Verifier backends: the model runtimes a target verifies with (see :mod:`edge.backends.base`)."""
