@@ -130,6 +130,8 @@ def trt_shapes(manifest: Manifest, profile: TrtProfile) -> dict[str, str]:
 def provider_options(name: str, manifest: Manifest, profile: TrtProfile,
                      export_dir: Path) -> dict[str, Any]:  # fmt: skip
     """ONNX Runtime options of one provider (TensorRT: shape profiles and the engine cache)."""
+    if name == CUDA:  # TF32 matmuls would break float32 exactness against the torch model
+        return {"use_tf32": 0} if manifest.dtype == "float32" else {}
     if name != TRT:
         return {}
     cache = Path(profile.cache_dir) if profile.cache_dir else export_dir / "trt-engines"
