@@ -384,3 +384,18 @@ def test_slim_target_runs_without_transformers(exports: dict[str, tuple[Path, Pa
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result["heavy"] == []
     assert result["tokens"] == [reference(model_dir, p, 16) for p in PROMPTS]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_committed_target_greedy_equals_generate(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Catches an exporter or backend that is exact on the tiny models but not on the committed
+    default target (20 layers, its own tokenizer, float16 weights loaded as float32): greedy
+    through the ONNX Runtime backend equals generate() token for token. (Slow: the export
+    takes minutes on 2 cores.)"""
+    export_dir = tmp_path_factory.mktemp("default") / "starsd-target-onnx"
+    exporter.export(models.DEFAULT_TARGET_DIR, export_dir)
+    backend = OnnxBackend(export_dir, CPU_ONLY)
+    prompts = ["HAMLET:\nTo be, or not to be,", "ROMEO:\nBut soft, what light"]
+    got = greedy(backend, [backend.encode(p) for p in prompts], 32)
+    assert got == [reference(models.DEFAULT_TARGET_DIR, p, 32) for p in prompts]

@@ -366,7 +366,10 @@ class OnnxBackend:
             binding.bind_input(name, *self._where(tensor))
         for name, tensor in outputs.items():
             binding.bind_output(name, *self._where(tensor))
+        if self.device.type == "cuda":  # torch's copies run on its own stream: finish them first
+            torch.cuda.synchronize(self.device)
         self.session.run_with_iobinding(binding)
+        binding.synchronize_outputs()  # the outputs are complete before torch reads them
         return outputs
 
     def _empty(self, *shape: int) -> torch.Tensor:
