@@ -44,7 +44,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	@$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[hub,edge,train,bench,test,dev]"
+	$(BIN)/pip install -q -e ".[hub,edge,serve,train,bench,test,dev]"
 	@touch $(STAMP)
 
 venv install: $(STAMP)
