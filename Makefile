@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS = $(if $(QUICK),--quick)
 
 .PHONY: venv install test test-fast test-load hostile-probe lint demo models eval-models bench bench-scale bench-lan \
-	bench-service \
+	bench-service load \
 	analytic clean help
 
 help:
@@ -33,6 +33,8 @@ help:
 	@echo "                 RSS, fixed gamma vs --gamma auto -> results/bench-scale.json + .png [QUICK=1: < 4 min]"
 	@echo "make bench-service  S(B) of the draft LLM and EAGLE head in process -> results/bench-service.json [QUICK=1]"
 	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
+	@echo "make load        streaming clients against edge.target --serve, hub vs --standalone"
+	@echo "                 (or URL=http://... a running server) -> results/load.json [QUICK=1]"
 
 $(BIN)/python:
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -92,6 +94,10 @@ bench-service: $(STAMP)
 
 bench-lan: $(STAMP)
 	$(BIN)/python scripts/bench.py --suite lan $(BENCH_ARGS)
+
+# Without URL: starts a hub + `edge.target --serve` (then --standalone) on the default pair.
+load: $(STAMP)
+	$(BIN)/python scripts/load.py $(BENCH_ARGS) $(if $(URL),--url $(URL))
 
 analytic: $(STAMP)
 	$(BIN)/python -m starsd.analytic --from results/bench-scale.json --plot results/analytic.png
