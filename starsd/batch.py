@@ -215,7 +215,7 @@ class RaggedBatch:
         if min(self.cached) < c_max:  # one memset beats a small zeroing per row
             whole[..., :c_max, :].zero_()
         for row, cache in enumerate(caches):
-            if self.cached[row]:
+            if self.cached[row] and cache.kv is not None:
                 whole[:, :, row, :, c_max - self.cached[row] : c_max] = cache.kv
         return [LayerBuffer(layer[0], layer[1], c_max, whole) for layer in whole.unbind(0)]
 
