@@ -126,8 +126,7 @@ class Engine:
         try:
             await self._run(generation)
             generation.commits.put_nowait(None)
-        except asyncio.CancelledError:  # its client went away (or a stop string ended it)
-            self.metrics.record_abort()
+        except asyncio.CancelledError:  # Generation.cancel, or the server stopping
             raise
         except Exception as exc:  # a bug or a broken model: this request fails, not the server
             log.exception("request failed")
@@ -181,6 +180,8 @@ class Generation:
         self.commits: asyncio.Queue[_Commit | Exception | None] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self.seq: TargetSequence | None = None
+        self.answered = False  # its final delta was produced (finished, or ended by a stop)
+        self.cancelled = False
 
     def hook(self, loop: asyncio.AbstractEventLoop) -> Any:
         """The sequence's on_commit: runs in the worker thread, posts to the event loop."""
@@ -195,9 +196,20 @@ class Generation:
         return on_commit
 
     def cancel(self) -> None:
-        """Stop decoding (idempotent); the hub session is closed by the decoding task."""
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        """Stop decoding (idempotent); the hub session is closed by the decoding task. Counted
+        as an abort unless the request was answered (a stop string ends decoding this way)."""
+        if self.task is None or self.task.done() or self.cancelled:
+            return
+        self.cancelled = True
+        if not self.answered:
+            self.engine.metrics.record_abort()
+        if self.seq is not None:
+            # Also end the loop in generate_speculative: Python 3.11's asyncio.wait_for returns
+            # a result that was ready when the cancel came and drops the cancel, so a cancel
+            # alone can be lost. The worker thread never reads ``done``; the hub session is
+            # closed on the way out either way.
+            self.seq.done = True
+        self.task.cancel()
 
     async def events(self) -> AsyncIterator[Delta]:
         """Text deltas as tokens commit, the last with its finish reason; cancels the decoding
@@ -223,10 +235,10 @@ class Generation:
             m.record_tokens(len(tokens), clock - last, first=seen == 0)
             last, seen = clock, seen + len(tokens)
             piece = text.push(tokens)
-            if text.stopped:
-                break
             if piece:
                 yield Delta(piece)
+            if text.stopped:
+                break
         rest = text.finish()
         yield self._final(rest, text.stopped, seen)
 
@@ -235,6 +247,7 @@ class Generation:
         assert seq is not None
         eos = bool(seq.generated[:tokens]) and seq.generated[tokens - 1] in seq.target.eos_token_ids
         finish = "stop" if stopped or eos else "length"
+        self.answered = True
         stats = seq.stats
         figures = {**stats.as_dict(tokens), "proposed": stats.proposed}
         self.engine.metrics.record_finish(finish, time.perf_counter() - self.arrived,

@@ -21,6 +21,7 @@ from starsd import protocol
 from starsd.protocol import SamplingParams
 
 MAX_STOPS = 4  # as OpenAI: at most four stop strings
+MAX_TOKENS_NO_LIMIT = 1 << 16  # the cap on max_tokens for a model that names no context length
 # Fields OpenAI defines that this server does not implement: refused unless given their neutral
 # value, so a client never silently gets something other than what it asked for.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -176,16 +177,17 @@ def max_tokens(request: BaseRequest, default: int, prompt_tokens: int, limit: in
     name = "max_completion_tokens"
     if asked is None:
         asked, name = request.max_tokens, "max_tokens"
-    room = None if limit is None else limit - prompt_tokens
-    if room is not None and room < 1:
+    room = MAX_TOKENS_NO_LIMIT if limit is None else limit - prompt_tokens
+    if room < 1:
         raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this model's context is "
                             f"{limit}", "prompt", "context_length_exceeded")  # fmt: skip
     if asked is None:
-        return default if room is None else min(default, room)
-    if asked < 1 or (room is not None and asked > room):
-        most = "" if room is None else f" (at most {room}: the context is {limit} tokens and the "
-        most += "" if room is None else f"prompt {prompt_tokens})"
-        raise ApiError(400, f"{name} {asked} is out of range: must be >= 1{most}", name)
+        return min(default, room)
+    if not 1 <= asked <= room:
+        why = (f"the context is {limit} tokens and the prompt {prompt_tokens}" if limit
+               else "this server's cap")  # fmt: skip
+        raise ApiError(400, f"{name} {asked} is out of range: must be in [1, {room}] ({why})",
+                       name)  # fmt: skip
     return asked
 
 

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import math
+import re
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -293,3 +294,33 @@ def test_listening_beyond_loopback_without_a_key_is_refused(
         parse_args(["--serve", "--host", "0.0.0.0"])
     assert "--api-key" in capsys.readouterr().err
     assert parse_args(["--serve", "--host", "0.0.0.0", "--api-key", "k"]).serve
+
+
+async def test_a_stop_string_ends_the_text_before_it_streamed_and_not(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
+) -> None:
+    """Bugs caught: the stop string (or text past it) returned, finish_reason "length", the
+    sequence decoded on after the stop, a request counted both as answered and aborted."""
+    # The tiny random model writes bytes that are not all UTF-8: a stop string of plain ASCII
+    # letters, after some text (U+FFFD is no character to stop at).
+    prompt = PROMPTS[0]
+    text, _ = _expected(llama_pair[0], llama_target, prompt)
+    found = re.search(r"[A-Za-z]{2}", text[2:])
+    assert found, f"pick another prompt: {text!r}"
+    stop = found.group(0)
+    before = text[: text.index(stop)]
+    async with _serving(llama_target) as running:
+        client = _client(running)
+        full = await client.completions.create(model="llama-target", prompt=prompt,
+                                               max_tokens=N, stop=[stop, "\x00never"])
+        assert (full.choices[0].text, full.choices[0].finish_reason) == (before, "stop")
+        stream = await client.completions.create(model="llama-target", prompt=prompt,
+                                                 max_tokens=N, stop=stop, stream=True)
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].text for c in chunks) == before
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        async with httpx.AsyncClient() as h:
+            families = _parse((await h.get(f"{running.url}/metrics")).text)
+    reasons = {s.labels["finished_reason"]: s.value
+               for s in families["starsd:request_success"] if s.name.endswith("_total")}
+    assert reasons == {"stop": 2}
