@@ -109,7 +109,7 @@ class Engine:
         generation = Generation(self, job)
         self.metrics.prompt_tokens.labels(**self.metrics.labels).inc(len(job.prompt_ids))
         self.waiting += 1
-        self._publish()
+        self.publish()
         task = asyncio.create_task(self._decode(generation))
         self.tasks.add(task)  # a reference until it ends, also after its client went away
         task.add_done_callback(self.tasks.discard)
@@ -122,7 +122,7 @@ class Engine:
         finally:
             self.waiting -= 1
         self.running += 1
-        self._publish()
+        self.publish()
         try:
             await self._run(generation)
             generation.commits.put_nowait(None)
@@ -134,7 +134,7 @@ class Engine:
         finally:
             self.running -= 1
             self.slots.release()
-            self._publish()
+            self.publish()
 
     async def _run(self, generation: Generation) -> None:
         loop = asyncio.get_running_loop()
@@ -158,7 +158,8 @@ class Engine:
         features = self.client is not None and (self.client.wants_features or not self.client.up)
         return self.new_sequence(job, next(self.index), features)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Refresh the running / waiting / hub gauges."""
         up = self.client is not None and self.client.up
         self.metrics.set_queue(self.running, self.waiting, up)
 

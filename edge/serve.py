@@ -43,6 +43,7 @@ from starsd import curve_client, models, protocol, transport
 
 log = logging.getLogger("edge.serve")
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+CONNECT_TIMEOUT_S = 2.0  # the first WELCOME; past it serve alone (the client keeps trying)
 
 
 class ServerConfig(ServeConfig, Protocol):
@@ -224,7 +225,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        server.engine._publish()  # the hub may have come or gone since the last request
+        server.engine.publish()  # the hub may have come or gone since the last request
         text, content_type = server.metrics.render()
         return Response(text, media_type=content_type)
 
@@ -294,7 +295,7 @@ async def serving(config: ServerConfig, target: models.LoadedModel,
     try:
         if client is not None:
             try:
-                await client.connect()
+                await client.connect(CONNECT_TIMEOUT_S)
             except HubUnavailable as exc:  # decode alone; the client keeps trying
                 log.warning("%s: serving without the hub for now", exc)
         task = asyncio.create_task(uv.serve())

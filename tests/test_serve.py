@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 import torch
-from procs import reference
+from procs import free_port, reference
 from prometheus_client.parser import text_string_to_metric_families
 
 from edge import serve
@@ -93,6 +93,23 @@ async def test_openai_client_greedy_completions_equal_the_target_alone_through_t
             assert "".join(c.choices[0].text for c in chunks if c.choices) == text
             assert chunks[-1].usage == full.usage and not chunks[-1].choices
             assert len([c for c in chunks if c.choices]) > 2, "not streamed as tokens commit"
+
+
+async def test_with_the_hub_down_requests_still_complete_exactly(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
+) -> None:
+    """Bug caught: a server that fails (or hangs) its requests while no hub answers."""
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    prompt = PROMPTS[1]
+    text, n = _expected(llama_pair[0], llama_target, prompt)
+    async with _serving(llama_target, standalone=False, hub=dead) as running, \
+            httpx.AsyncClient(timeout=60) as h:  # fmt: skip
+        assert (await h.get(f"{running.url}/health")).json() == {"status": "ok", "hub": False}
+        r = await h.post(f"{running.url}/v1/completions",
+                         json={"model": "llama-target", "prompt": prompt, "max_tokens": N})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+        assert r.json()["usage"]["completion_tokens"] == n
+        assert r.json()["starsd"]["rounds"] == 0
 
 
 async def test_chat_through_the_openai_client_streamed_and_not(
