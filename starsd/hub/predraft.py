@@ -59,6 +59,7 @@ class PredraftStats:
     hits: int = 0  # verdicts answered from a branch
     answered: int = 0  # verdicts of sessions that had been offered for pre-drafting
     branches: int = 0  # branches drafted
+    late_hits: int = 0  # hits whose branch was still being drafted (finished on the spot)
     busy_s: float = 0.0  # time spent pre-drafting (off the critical path by construction)
 
 
@@ -101,7 +102,7 @@ class Predrafter:
         if waiting is None or waiting.state is not job.state:
             return None
         self.stats.answered += 1
-        branch = self._match(waiting, job)
+        branch = self._match(waiting, job) or self._finish_for(waiting, job)
         if branch is None:
             return None
         self.stats.hits += 1
@@ -138,12 +139,33 @@ class Predrafter:
         assert self.running is not None
         steps, items = self.running
         if next(steps, StopIteration) is StopIteration:
-            self.running = None
-            for waiting, row in items:
-                if self._alive(waiting):
-                    key = (row.job.accepted, row.job.appended[0])
-                    waiting.branches[key] = row
-                    self.stats.branches += 1
+            self._keep(items)
+
+    def _finish_for(self, waiting: Waiting, job: DraftJob) -> LlmRow | None:
+        """A verdict whose branch is being drafted: finish that batch now and answer from it.
+
+        Its remaining steps cost no more than drafting the verdict from scratch (the probe and
+        the feed are done, and a step of a few rows costs about one of a single row), and the
+        branch is exactly what that drafting would produce.
+        """
+        key = (job.accepted, job.appended[0]) if len(job.appended) == 1 else None
+        items = self._running_items()
+        if key is None or not any(w is waiting and _key(row) == key for w, row in items):
+            return None
+        for _ in self.running[0] if self.running else ():
+            pass
+        self._keep(items)
+        self.stats.late_hits += 1
+        waiting.branches.update((_key(row), row) for w, row in items if w is waiting)
+        return self._match(waiting, job)
+
+    def _keep(self, items: list[tuple[Waiting, LlmRow]]) -> None:
+        """The running batch is done: keep each live session's branches."""
+        self.running = None
+        for waiting, row in items:
+            if self._alive(waiting):
+                waiting.branches[_key(row)] = row
+                self.stats.branches += 1
 
     def _probe(self) -> None:
         """The draft's alternatives for the bonus token, then every session's best branches."""
@@ -212,6 +234,11 @@ class Predrafter:
 
     def _running_items(self) -> list[tuple[Waiting, LlmRow]]:
         return self.running[1] if self.running else []
+
+
+def _key(row: LlmRow) -> tuple[int, int]:
+    """The verdict (k, c) a branch row drafts after."""
+    return row.job.accepted, row.job.appended[0]
 
 
 def _verdicts(proposed: list[int], alternatives: list[tuple[list[int], list[float]]],
