@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS = $(if $(QUICK),--quick)
 
 .PHONY: venv install test test-fast test-load hostile-probe lint demo models eval-models bench bench-scale bench-lan \
-	bench-service bench-onnx check-gpu \
+	bench-service bench-onnx check-gpu load \
 	analytic clean help
 
 help:
@@ -35,6 +35,8 @@ help:
 	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
 	@echo "make bench-onnx  onnxruntime CPU vs torch CPU, greedy tok/s on the default target -> results/bench-onnx.json"
 	@echo "make check-gpu   (NVIDIA GPU) onnxruntime CUDA/TensorRT vs torch -> results/gpu-backends.json"
+	@echo "make load        streaming clients against edge.target --serve, hub vs --standalone"
+	@echo "                 (or URL=http://... a running server) -> results/load.json [QUICK=1]"
 
 $(BIN)/python:
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -46,7 +48,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	@$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[hub,edge,edge-torch,export,train,bench,test,dev]"
+	$(BIN)/pip install -q -e ".[hub,edge,edge-torch,export,serve,train,bench,test,dev]"
 	@touch $(STAMP)
 
 venv install: $(STAMP)
@@ -100,6 +102,10 @@ check-gpu: $(STAMP)
 
 bench-lan: $(STAMP)
 	$(BIN)/python scripts/bench.py --suite lan $(BENCH_ARGS)
+
+# Without URL: starts a hub + `edge.target --serve` (then --standalone) on the default pair.
+load: $(STAMP)
+	$(BIN)/python scripts/load.py $(BENCH_ARGS) $(if $(URL),--url $(URL))
 
 analytic: $(STAMP)
 	$(BIN)/python -m starsd.analytic --from results/bench-scale.json --plot results/analytic.png

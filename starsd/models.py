@@ -271,3 +271,23 @@ def encode_text(loaded: LoadedModel, text: str) -> list[int]:
 def decode_ids(loaded: LoadedModel, ids: list[int]) -> str:
     """Text of generated token ids, special tokens dropped."""
     return str(loaded.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def has_chat_template(loaded: LoadedModel) -> bool:
+    """Whether the tokenizer carries a chat template (chat requests need one)."""
+    return bool(getattr(loaded.tokenizer, "chat_template", None))
+
+
+def chat_prompt_ids(loaded: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template, ready for the
+    assistant's turn. The template writes its own special tokens (no second BOS is added).
+    ValueError when the tokenizer has no template or the template refuses the messages."""
+    if not has_chat_template(loaded):
+        raise ValueError(f"model {loaded.name} has no chat template")
+    try:
+        rendered = loaded.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True)  # fmt: skip
+    except Exception as exc:  # a jinja TemplateError (e.g. raise_exception on a role)
+        raise ValueError(f"the chat template refused the messages: {exc}") from None
+    ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    return [int(i) for i in ids]

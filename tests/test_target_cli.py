@@ -103,3 +103,18 @@ def test_integral_floats_still_pass_for_integer_fields(tmp_path: Path) -> None:
     (request,) = target.load_requests(config)
     assert request.max_new_tokens == 3 and request.sampling is not None
     assert request.sampling.top_k == 50 and type(request.sampling.top_k) is int
+
+
+def test_the_progress_bar_shows_for_prompts_on_a_terminal_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught: a bar drawn into a log file or a pipe (or never on a terminal)."""
+    config = target.parse_args(["--prompts", str(tmp_path / "in.jsonl"), "--standalone"])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert target._progress(config, 3).disable
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    bar = target._progress(config, 3)
+    assert not bar.disable
+    bar.close()
+    single = target.parse_args(["--prompt", "x", "--standalone"])
+    assert target._progress(single, 1).disable
