@@ -399,3 +399,20 @@ def test_committed_target_greedy_equals_generate(tmp_path_factory: pytest.TempPa
     prompts = ["HAMLET:\nTo be, or not to be,", "ROMEO:\nBut soft, what light"]
     got = greedy(backend, [backend.encode(p) for p in prompts], 32)
     assert got == [reference(models.DEFAULT_TARGET_DIR, p, 32) for p in prompts]
+
+
+@pytest.mark.slow
+def test_a_float16_export_runs_and_checks_itself(
+    exports: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """Catches a float16 export (the GPU's choice) that cannot be made or run: it passes its
+    own check against the torch model in float16, keeps a float16 cache and returns float32
+    logits close to the float32 export's."""
+    model_dir, full = exports["llama"]
+    exporter.export(model_dir, tmp_path / "fp16", dtype="float16")
+    half = load(tmp_path / "fp16", "cpu", "float16", providers="cpu")
+    prompt = half.encode(PROMPTS[0])
+    row = half.forward([SequenceCache()], [prompt])[0]
+    assert row.logits.dtype == torch.float32 and row.cache.layers[0][0].dtype == torch.float16
+    ref = OnnxBackend(full, CPU_ONLY).forward([SequenceCache()], [prompt])[0].logits
+    torch.testing.assert_close(row.logits, ref, atol=5e-2, rtol=5e-2)
