@@ -137,6 +137,53 @@ def _run(loaded: LoadedModel, token_ids: list[int], cache: Any, hidden: bool) ->
     return loaded.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
 
 
+DECODE_ATTENTION = "starsd_decode"
+
+
+def use_decode_attention(loaded: LoadedModel) -> bool:
+    """Attend one query per row with two batched matmuls on CPU; everything else stays sdpa.
+
+    torch's CPU sdpa kernel pays ~2.5 us per (row, head) for small heads: one decode step of 32
+    rows x 4 heads of 32 over 75 keys took 300-350 us against 165-185 us for the two matmuls
+    (same process, one thread), and S(32) of the hub's draft is a third attention. Returns
+    whether the model was switched (only an sdpa model on CPU is).
+    """
+    if loaded.device.type != "cpu" or loaded.model.config._attn_implementation != "sdpa":
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, _decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the masks sdpa gets
+    loaded.model.set_attn_implementation(DECODE_ATTENTION)
+    return True
+
+
+def _decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """transformers' attention interface: query [B, h, 1, d], key/value [B, kv_h, T, d], mask
+    [B, 1, 1, >= T] (bool: True attends; float: added) or None -> ([B, 1, h, d], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+    if query.shape[2] != 1 or special:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)  # fmt: skip
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves ``groups`` heads
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [B, h, 1, T]
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[-2]]
+        is_bool = mask.dtype == torch.bool
+        scores = scores.masked_fill(~mask, float("-inf")) if is_bool else scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None  # [B, 1, h, d]
+
+
 def kv_shapes(loaded: LoadedModel) -> list[tuple[int, int]]:
     """(kv heads, head dim) of each layer's cache, read from a one-token probe forward (robust
     to how each architecture names its shapes)."""

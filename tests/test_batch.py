@@ -60,13 +60,18 @@ def test_gather_then_scatter_gives_each_row_its_own_compact_cache() -> None:
     assert batch.scatter(buffers, 1, steps_kept=1, keep_cached=False).length == 1 + 1
 
 
+@pytest.mark.parametrize("decode_attention", [False, True], ids=["sdpa", "decode-attention"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_ragged_forward_equals_each_sequence_alone(
-    family: str, llama_pair: tuple[Path, Path], gpt2_pair: tuple[Path, Path]
-) -> None:
+    family: str, decode_attention: bool, llama_pair: tuple[Path, Path],
+    gpt2_pair: tuple[Path, Path],
+) -> None:  # fmt: skip
     """Catches wrong position ids, a mask that lets a row see padding or another row, and a
-    cache layer that writes to the wrong columns (Llama: rotary positions; GPT-2: learned)."""
+    cache layer that writes to the wrong columns (Llama: rotary positions; GPT-2: learned);
+    with the hub draft's decode attention (``models.use_decode_attention``), a mask it reads
+    the wrong way or a wrong scale (its decode step is checked against sdpa's forward alone)."""
     draft = models.load_causal_lm({"llama": llama_pair, "gpt2": gpt2_pair}[family][1])
+    assert models.use_decode_attention(draft) if decode_attention else True
     shapes = models.kv_shapes(draft)
     seqs = [[5, 17, 33, 8, 9, 11, 40], [3, 4], [21, 22, 23, 24, 25]]
     split = [4, 0, 3]  # cached part of each sequence

@@ -110,7 +110,8 @@ def test_sampled_rows_draw_with_their_own_generator(draft: models.LoadedModel) -
             a, b = getattr(together, field), getattr(apart, field)
             assert (a is None) == (b is None)
             if a is not None:
-                np.testing.assert_allclose(a, b, atol=1e-6)
+                # float32 rounding differs with the batch's shape (padding columns): ~1e-6
+                np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_sampled_tokens_follow_the_drafts_own_distribution(draft: models.LoadedModel) -> None:

@@ -56,6 +56,7 @@ class LlmProposer:
 
     def __init__(self, draft: models.LoadedModel) -> None:
         self.draft = draft
+        models.use_decode_attention(draft)  # decode steps of many rows attend faster on CPU
         self.max_positions = draft.max_positions
         self.kv_shapes = models.kv_shapes(draft)  # (heads, head_dim) per layer
         self.dtype = next(draft.model.parameters()).dtype
