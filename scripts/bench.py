@@ -30,6 +30,7 @@ from bench_common import BenchConfig, hub_overhead, hub_stats, run_record
 from harness import PROMPTS as HARNESS_PROMPTS
 from harness import REPO, Processes, start_hub, start_hubs, stop
 
+from edge.backends.torch import TorchBackend
 from edge.client import TargetInfo
 from edge.verifier import TargetSequence
 from starsd import analytic, models, transport
@@ -50,8 +51,8 @@ def bench_standalone(target: models.LoadedModel, cfg: BenchConfig
     per prompt (what every greedy mode must reproduce)."""
     tokens, seconds, lat, ids = 0, 0.0, [], []
     for prompt in PROMPTS:
-        seq = TargetSequence(target, models.encode_text(target, prompt), SamplingParams(),
-                             cfg.max_new_tokens)  # fmt: skip
+        seq = TargetSequence(TorchBackend(target), models.encode_text(target, prompt),
+                             SamplingParams(), cfg.max_new_tokens)  # fmt: skip
         started = time.perf_counter()
         while not seq.done:
             seq.step()
@@ -78,7 +79,8 @@ def bench_centralized(target: models.LoadedModel, drafter: Proposer, cfg: BenchC
     started = time.perf_counter()
     for prompt in PROMPTS:
         ids = models.encode_text(target, prompt)
-        seq = TargetSequence(target, ids, SamplingParams(), cfg.max_new_tokens, eagle)
+        seq = TargetSequence(TorchBackend(target), ids, SamplingParams(), cfg.max_new_tokens,
+                             eagle)  # fmt: skip
         state = drafter.new_state(ids, SamplingParams(), cfg.gamma)
         job = DraftJob(b"", 0, state, 0, (), features=_features(seq, 0, eagle))
         while not seq.done:

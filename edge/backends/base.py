@@ -2,9 +2,10 @@
 
 A backend runs one ragged batch: row i holds a sequence's KV cache (``c_i`` positions) and feeds
 ``f_i`` new tokens after it, so verification of B sequences, each ``[last, d_1 .. d_gamma]``, and
-B standalone steps (``[last]`` each) are one call. The caches are :class:`starsd.batch.SequenceCache`
-(the same ragged-batch code the hub drafts with): a backend returns each row's cache extended by
-its fed positions, and rolling a sequence back to its accepted length is ``cache.crop(n)``.
+B standalone steps (``[last]`` each) are one call. The caches are
+:class:`starsd.batch.SequenceCache` (the same ragged-batch code the hub drafts with): a backend
+returns each row's cache extended by its fed positions, and rolling a sequence back to its
+accepted length is ``cache.crop(n)``.
 
 Backends: ``torch`` (transformers, CPU and CUDA; the default) and ``onnxruntime`` (an exported
 decoder run by ONNX Runtime, TensorRT -> CUDA -> CPU providers; no transformers needed).
