@@ -25,6 +25,7 @@ from typing import Any
 import bench_assisted
 import bench_predraft
 import bench_scale
+import bench_verify
 import torch
 from bench_common import BenchConfig, hub_overhead, hub_stats, run_record
 from harness import PROMPTS as HARNESS_PROMPTS
@@ -253,6 +254,11 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
             lambda ep, n, tag, extra: bench_scale.emulated_run(cfg, procs, work, info, ep, n,
                                                                target_cpus, tag, extra),
             hub_cpus)  # fmt: skip
+    print("[main] batched verification: one target at --concurrency 8 vs 1, through a hub and "
+          "standalone, alternated ...", flush=True)  # fmt: skip
+    with phases("verify"):
+        verify = bench_verify.run(procs, work, cfg.target, cfg.draft, 1 if cfg.quick else 3,
+                                  cfg.max_new_tokens, cfg.gamma)  # fmt: skip
     base = standalone["system_tokens_per_s"]
     return {"runs": runs, "model_inputs": analytic.inputs_as_json(inputs), "hub_overhead": overhead,
             "service_curve_in_process": [{"batch": b, "ms": 1e3 * t} for b, t in curve],
@@ -261,6 +267,8 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
             "vs_hf_assisted": paired,
             # pre-draft hit rate and queue wait, with and without (scripts/bench_predraft.py)
             "predraft": predraft,
+            # one target at --concurrency 8 vs 1, hub and standalone (scripts/bench_verify.py)
+            "batched_verification": verify,
             "phase_s": phases.seconds,
             "eagle": {"draft_ms_per_round": 1e3 * measured_eagle["draft_s"],
                       "llm_draft_ms_per_round": 1e3 * measured["draft_s"],
