@@ -215,3 +215,59 @@ class RaggedBatch:
         return SequenceCache([(b.keys[row].index_select(1, keep),
                                b.values[row].index_select(1, keep)) for b in buffers])  # fmt: skip
 
+
+
+# ---------------------------------------------------------------------- packed: one tensor per row
+
+
+@dataclass
+class PackedCache(SequenceCache):
+    """A :class:`SequenceCache` whose layers are views of ONE tensor [layers, 2, heads, T, d].
+
+    For models whose layers all have the same (heads, d): a batch then gathers and scatters a
+    row with one copy instead of two per layer (a 20-layer model's 8-row verify spent about a
+    third of its time in 640 small per-layer copies).
+    """
+
+    packed: torch.Tensor | None = None  # [layers, 2, heads, T, d]
+
+    def crop(self, length: int) -> None:
+        """Keep exactly the first ``length`` positions (views, like the base class)."""
+        super().crop(length)
+        if self.packed is not None:
+            self.packed = self.packed[:, :, :, :length]
+
+
+def packed_gather(batch: RaggedBatch, caches: Sequence[SequenceCache], shape: tuple[int, int],
+                  layers: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, list[LayerBuffer]]:  # fmt: skip
+    """Like :meth:`RaggedBatch.gather`, into one tensor [layers, 2, B, heads, capacity, d] (all
+    layers of shape ``shape`` = (heads, d)); returns it and a :class:`LayerBuffer` view per layer.
+    A :class:`PackedCache` row is copied in one op, any other row layer by layer."""
+    heads, dim = shape
+    c_max = batch.cached_width
+    big = torch.empty((layers, 2, batch.rows, heads, batch.capacity, dim), dtype=dtype,
+                      device=device)  # fmt: skip
+    for row, cache in enumerate(caches):
+        c = batch.cached[row]
+        if c < c_max:  # left padding: masked, and must never be NaN
+            big[:, :, row, :, : c_max - c].zero_()
+        if not c:
+            continue
+        if isinstance(cache, PackedCache) and cache.packed is not None:
+            big[:, :, row, :, c_max - c : c_max] = cache.packed
+        else:
+            for layer, (k, v) in enumerate(cache.layers):  # [heads, c, d] each
+                big[layer, 0, row, :, c_max - c : c_max] = k
+                big[layer, 1, row, :, c_max - c : c_max] = v
+    return big, [LayerBuffer(big[n, 0], big[n, 1], c_max) for n in range(layers)]
+
+
+def packed_scatter(batch: RaggedBatch, big: torch.Tensor, row: int) -> PackedCache:
+    """Row ``row``'s new cache (its cached and fed columns) from :func:`packed_gather`'s tensor,
+    copied once (a view when the batch has one row: no other row's columns are kept alive)."""
+    c_max = batch.cached_width
+    packed = big[:, :, row, :, c_max - batch.cached[row] : c_max + batch.fed[row]]
+    if batch.rows > 1:
+        packed = packed.clone()
+    return PackedCache([(packed[n, 0], packed[n, 1]) for n in range(packed.shape[0])], packed)
