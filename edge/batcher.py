@@ -8,6 +8,12 @@ starts as soon as the model thread is free and something is pending, never waiti
 stragglers (while one forward runs, the proposals that arrive meanwhile gather by themselves).
 Prefills (long feeds) run in forwards of their own, so decoding rows are not padded to a prompt.
 
+Measured (default pair, one hub, one target at --concurrency 8, 2-core machine, alternated): a
+gather window that waits up to 10 or 30 ms for the other sequences' proposals raised the rows per
+forward from ~2.8 to ~5, but not the throughput (66-96 tok/s without it, 78-96 with it: within
+the machine's noise), and zero-time yields before each forward changed neither. Without a
+window the target pipelines instead: it verifies one group while the hub drafts the other.
+
 Every sequence has at most one item in flight (its coroutine awaits each), and only the model
 thread touches a sequence while its item runs; the event loop reads it between items.
 """
