@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,51 +38,72 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [
 
 @dataclass
 class SequenceCache:
-    """One sequence's KV cache, owned by whoever owns the sequence (no batch dimension)."""
+    """One sequence's KV cache, owned by whoever owns the sequence (no batch dimension).
 
-    layers: KV = field(default_factory=list)  # empty until the first forward
+    Every layer's keys and values live in ONE tensor ``kv`` [layers, 2, heads, T, d], so a batch
+    gathers a row with one copy and scatters it with one (per layer and per k/v, those copies
+    were most of the batching overhead of a small draft model). Models whose layers differ in
+    heads or head size are not supported (no model StarSD serves has them).
+    """
+
+    kv: torch.Tensor | None = None  # [layers, 2, heads, T, d]; None until the first forward
+
+    @classmethod
+    def from_layers(cls, layers: KV) -> SequenceCache:
+        """A cache holding these per-layer (keys, values), each [heads, T, d] (copies)."""
+        if not layers:
+            return cls()
+        return cls(torch.stack([torch.stack([k, v]) for k, v in layers]))
+
+    @property
+    def layers(self) -> KV:
+        """Per layer (keys, values) views, each [heads, T, d]."""
+        if self.kv is None:
+            return []
+        return [(layer[0], layer[1]) for layer in self.kv.unbind(0)]
 
     @property
     def length(self) -> int:
         """Number of positions held."""
-        return int(self.layers[0][0].shape[1]) if self.layers else 0
+        return int(self.kv.shape[3]) if self.kv is not None else 0
 
     def crop(self, length: int) -> None:
-        """Keep exactly the first ``length`` positions (views: the next scatter copies anyway).
+        """Keep exactly the first ``length`` positions (a view: the next scatter copies anyway).
 
         Raises:
             ValueError: if ``length`` is negative or longer than the cache.
         """
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
-        self.layers = [(k[:, :length], v[:, :length]) for k, v in self.layers]
+        if self.kv is not None:
+            self.kv = self.kv[:, :, :, :length]
 
     def extended(self, more: SequenceCache) -> SequenceCache:
         """A new cache: these positions, then ``more``'s (copies both)."""
-        if not self.layers:
-            return SequenceCache(list(more.layers))
-        return SequenceCache([(torch.cat([k, k2], dim=1), torch.cat([v, v2], dim=1))
-                              for (k, v), (k2, v2) in zip(self.layers, more.layers,
-                                                          strict=True)])  # fmt: skip
+        if self.kv is None or more.kv is None:
+            return SequenceCache(more.kv if self.kv is None else self.kv)
+        return SequenceCache(torch.cat([self.kv, more.kv], dim=3))
 
     def prefix(self, length: int) -> SequenceCache:
         """A view of the first ``length`` positions (this cache is left as it is)."""
-        view = SequenceCache(list(self.layers))
+        view = SequenceCache(self.kv)
         view.crop(length)
         return view
 
     def nbytes(self) -> int:
         """Bytes of keys and values this sequence holds."""
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+        return self.kv.nbytes if self.kv is not None else 0
 
 
 class LayerBuffer:
     """One layer's keys and values for a whole batch, preallocated; appends write in place."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int,
+                 whole: torch.Tensor | None = None) -> None:  # fmt: skip
         self.keys = keys  # [B, heads, capacity, d]
         self.values = values  # [B, heads, capacity, d]
         self.filled = filled  # columns written so far
+        self.whole = whole  # [layers, 2, B, heads, capacity, d] of a gather, which these view
 
     def append(
         self, keys: torch.Tensor, values: torch.Tensor
@@ -182,92 +203,49 @@ class RaggedBatch:
                dtype: torch.dtype, device: torch.device) -> list[LayerBuffer]:  # fmt: skip
         """Per-layer buffers [B, heads, capacity, d] holding every row's cache, right-aligned.
 
-        ``shapes`` is (heads, d) per layer. The cached columns are zeroed first (padding is
-        masked, and must never be NaN); the feed and decode columns are written by the forwards.
-        (A row-by-row copy: measured faster here than one concatenation plus an indexed write.)
+        ``shapes`` is (heads, d) per layer, the same for every layer. The buffers are views of
+        one tensor [layers, 2, B, heads, capacity, d], so each row's whole cache goes in with one
+        copy. Cached columns left of a shorter row are zeroed (padding is masked, and must never
+        be NaN); the feed and decode columns are written by the forwards.
         """
+        heads, dim = _uniform(shapes)
         c_max = self.cached_width
-        buffers = []
-        for layer, (heads, dim) in enumerate(shapes):
-            size = (self.rows, heads, self.capacity, dim)
-            keys = torch.empty(size, dtype=dtype, device=device)
-            values = torch.empty(size, dtype=dtype, device=device)
-            keys[:, :, :c_max].zero_()  # one memset beats a small zeroing per row
-            values[:, :, :c_max].zero_()
-            for row, cache in enumerate(caches):
-                if self.cached[row]:
-                    k, v = cache.layers[layer]  # [heads, c_i, d]
-                    keys[row, :, c_max - self.cached[row] : c_max] = k
-                    values[row, :, c_max - self.cached[row] : c_max] = v
-            buffers.append(LayerBuffer(keys, values, c_max))
-        return buffers
+        size = (len(shapes), 2, self.rows, heads, self.capacity, dim)
+        whole = torch.empty(size, dtype=dtype, device=device)
+        if min(self.cached) < c_max:  # one memset beats a small zeroing per row
+            whole[..., :c_max, :].zero_()
+        for row, cache in enumerate(caches):
+            if self.cached[row] and cache.kv is not None:
+                whole[:, :, row, :, c_max - self.cached[row] : c_max] = cache.kv
+        return [LayerBuffer(layer[0], layer[1], c_max, whole) for layer in whole.unbind(0)]
 
     def scatter(self, buffers: Sequence[LayerBuffer], row: int, steps_kept: int,
                 keep_cached: bool = True) -> SequenceCache:  # fmt: skip
         """Row ``row``'s new cache: its cached (unless not ``keep_cached``), fed and first
-        ``steps_kept`` decoded columns."""
+        ``steps_kept`` decoded columns, as one compact tensor of its own."""
         c_max, f_max = self.cached_width, self.fed_width
         first = c_max - self.cached[row] if keep_cached else c_max
+        whole = _whole(buffers)[:, :, row]  # [layers, 2, heads, capacity, d]
+        if self.fed[row] == f_max or steps_kept == 0:  # one run of columns: a slice
+            stop = c_max + self.fed[row] + (steps_kept if self.fed[row] == f_max else 0)
+            return SequenceCache(whole[:, :, :, first:stop].clone())
         keep = torch.cat([
             torch.arange(first, c_max + self.fed[row]),
             torch.arange(c_max + f_max, c_max + f_max + steps_kept),
         ])  # fmt: skip
-        return SequenceCache([(b.keys[row].index_select(1, keep),
-                               b.values[row].index_select(1, keep)) for b in buffers])  # fmt: skip
+        return SequenceCache(whole.index_select(3, keep))
 
 
-
-# ---------------------------------------------------------------------- packed: one tensor per row
-
-
-@dataclass
-class PackedCache(SequenceCache):
-    """A :class:`SequenceCache` whose layers are views of ONE tensor [layers, 2, heads, T, d].
-
-    For models whose layers all have the same (heads, d): a batch then gathers and scatters a
-    row with one copy instead of two per layer (a 20-layer model's 8-row verify spent about a
-    third of its time in 640 small per-layer copies).
-    """
-
-    packed: torch.Tensor | None = None  # [layers, 2, heads, T, d]
-
-    def crop(self, length: int) -> None:
-        """Keep exactly the first ``length`` positions (views, like the base class)."""
-        super().crop(length)
-        if self.packed is not None:
-            self.packed = self.packed[:, :, :, :length]
+def _uniform(shapes: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The one (heads, d) of every layer."""
+    if len(set(shapes)) != 1:
+        raise ValueError(f"layers of different shapes are not supported: {sorted(set(shapes))}")
+    return shapes[0]
 
 
-def packed_gather(batch: RaggedBatch, caches: Sequence[SequenceCache], shape: tuple[int, int],
-                  layers: int, dtype: torch.dtype,
-                  device: torch.device) -> tuple[torch.Tensor, list[LayerBuffer]]:  # fmt: skip
-    """Like :meth:`RaggedBatch.gather`, into one tensor [layers, 2, B, heads, capacity, d] (all
-    layers of shape ``shape`` = (heads, d)); returns it and a :class:`LayerBuffer` view per layer.
-    A :class:`PackedCache` row is copied in one op, any other row layer by layer."""
-    heads, dim = shape
-    c_max = batch.cached_width
-    big = torch.empty((layers, 2, batch.rows, heads, batch.capacity, dim), dtype=dtype,
-                      device=device)  # fmt: skip
-    for row, cache in enumerate(caches):
-        c = batch.cached[row]
-        if c < c_max:  # left padding: masked, and must never be NaN
-            big[:, :, row, :, : c_max - c].zero_()
-        if not c:
-            continue
-        if isinstance(cache, PackedCache) and cache.packed is not None:
-            big[:, :, row, :, c_max - c : c_max] = cache.packed
-        else:
-            for layer, (k, v) in enumerate(cache.layers):  # [heads, c, d] each
-                big[layer, 0, row, :, c_max - c : c_max] = k
-                big[layer, 1, row, :, c_max - c : c_max] = v
-    return big, [LayerBuffer(big[n, 0], big[n, 1], c_max) for n in range(layers)]
-
-
-def packed_scatter(batch: RaggedBatch, big: torch.Tensor, row: int) -> PackedCache:
-    """Row ``row``'s new cache (its cached and fed columns) from :func:`packed_gather`'s tensor,
-    copied once (a view when the batch has one row: no other row's columns are kept alive)."""
-    c_max = batch.cached_width
-    packed = big[:, :, row, :, c_max - batch.cached[row] : c_max + batch.fed[row]]
-    if batch.rows > 1:
-        packed = packed.clone()
-    return PackedCache([(packed[n, 0], packed[n, 1]) for n in range(packed.shape[0])], packed)
+def _whole(buffers: Sequence[LayerBuffer]) -> torch.Tensor:
+    """The tensor [layers, 2, B, heads, capacity, d] that :meth:`RaggedBatch.gather`'s
+    buffers are views of (stacked anew for buffers made elsewhere)."""
+    if buffers[0].whole is not None:
+        return buffers[0].whole
+    return torch.stack([torch.stack([b.keys, b.values]) for b in buffers])

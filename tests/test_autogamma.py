@@ -351,11 +351,12 @@ def test_pre_drafting_follows_the_policy_and_never_answers_a_held_verdict(
 ) -> None:
     """Catches pre-drafting and --gamma auto stepping on each other, with the engine's calls
     made by hand (answer each job, propose the rest, offer what went out, idle steps): a branch
-    answering a round the policy gave another gamma (or gamma 0), a session offered while its
-    verdict is held (a 1-token span would then match a branch of the old proposal and commit
-    the wrong verdict), and a hit the policy does not learn from. The same session drafted
-    without a pre-drafter must get the same proposal every round."""
-    gammas = [3, 3, 2, 0, 2, 2, 2]  # drafted, hit, miss (new gamma), alone, probe, hit, hit
+    answering a round the policy gave a longer gamma than its own (or gamma 0), a session
+    offered while its verdict is held (a 1-token span would then match a branch of the old
+    proposal and commit the wrong verdict), and a hit the policy does not learn from. The same
+    session drafted without a pre-drafter must get the same proposal every round."""
+    # drafted, hit, hit at a shorter gamma (the branch's first tokens), alone, probe, hit, hit
+    gammas = [3, 3, 2, 0, 2, 2, 2]
     draft = models.load_causal_lm(llama_pair[1])
     sides = [_paced_side(draft, gammas, predrafting) for predrafting in (True, False)]
 
@@ -396,7 +397,7 @@ def test_pre_drafting_follows_the_policy_and_never_answers_a_held_verdict(
         else:  # a verdict a branch was drafted for
             k, c = branch_keys()[-1]
             verdict = (min(k, len(a.tokens)), (c,))
-    assert seen_alone and hits == [False, True, False, False, False, True, True]
+    assert seen_alone and hits == [False, True, True, False, False, True, True]
     assert sides[0][0].state.tokens == sides[1][0].state.tokens
     pacing = sides[0][0].pacing
     assert pacing is not None and pacing.last_gamma == 2 and pacing.pending is None

@@ -38,8 +38,8 @@ def test_gather_then_scatter_gives_each_row_its_own_compact_cache() -> None:
     """Catches a scatter that keeps padding or another row's columns, or a view into the whole
     batch buffer (which would pin the batch's memory for as long as the session lives)."""
     shapes = [(2, 4), (2, 4)]
-    caches = [SequenceCache([(torch.randn(2, c, 4), torch.randn(2, c, 4)) for _ in shapes])
-              for c in (3, 1)]  # fmt: skip
+    caches = [SequenceCache.from_layers([(torch.randn(2, c, 4), torch.randn(2, c, 4))
+                                         for _ in shapes]) for c in (3, 1)]  # fmt: skip
     batch = RaggedBatch((3, 1), (2, 1), steps=1)
     buffers = batch.gather(caches, shapes, torch.float32, torch.device("cpu"))
     for b in buffers:  # what a forward would append: the feed, then one decode step
@@ -50,8 +50,14 @@ def test_gather_then_scatter_gives_each_row_its_own_compact_cache() -> None:
     k, v = row1.layers[0]
     assert torch.equal(k[:, 0], caches[1].layers[0][0][:, 0])
     assert k[:, 1].eq(5).all() and k[:, 2].eq(7).all() and v[:, 2].eq(8).all()
-    assert k.untyped_storage().nbytes() == k.nbytes  # its own memory, not a view of the batch
+    assert row1.kv is not None  # its own memory, not a view of the batch:
+    assert row1.kv.untyped_storage().nbytes() == row1.kv.nbytes == row1.nbytes()
     assert batch.scatter(buffers, 0, steps_kept=0).length == 3 + 2
+    row0 = batch.scatter(buffers, 0, steps_kept=1)  # a full-width feed: one run of columns
+    k0 = row0.layers[1][0]
+    assert row0.length == 3 + 2 + 1 and torch.equal(k0[:, :3], caches[0].layers[1][0])
+    assert k0[:, 3:5].eq(5).all() and k0[:, 5].eq(7).all()
+    assert batch.scatter(buffers, 1, steps_kept=1, keep_cached=False).length == 1 + 1
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -146,7 +146,8 @@ def test_a_failing_session_costs_only_its_own_job(draft: models.LoadedModel) -> 
     broken = proposer.new_state(PROMPTS[0], SamplingParams(), 4)
     good = [proposer.new_state(p, SamplingParams(), 4) for p in PROMPTS[1:3]]
     proposer.propose([DraftJob(b"b", 0, broken, 0, ())])  # give it a cache, then break it
-    broken.cache.layers = [(torch.cat([k, k[..., :1]], -1), v) for k, v in broken.cache.layers]
+    assert broken.cache.kv is not None
+    broken.cache.kv = torch.cat([broken.cache.kv, broken.cache.kv[..., :1]], -1)  # head size + 1
     jobs = [DraftJob(b"f", 0, full, 0, ()), DraftJob(b"b", 1, broken, 0, (7,)),
             *[DraftJob(b"g%d" % i, 0, s, 0, ()) for i, s in enumerate(good)]]  # fmt: skip
     results = proposer.propose(jobs)
@@ -171,8 +172,8 @@ def test_a_sessions_cache_stays_compact_and_bounded(draft: models.LoadedModel) -
         verdicts = [(rng.randint(0, 4), (rng.randint(3, 60),)) for _ in states]
         for state in states:
             assert state.cache.length == len(state.tokens) + 3
-            for k, v in state.cache.layers:
-                assert k.untyped_storage().nbytes() == k.nbytes == v.nbytes
+            kv = state.cache.kv  # [layers, 2, heads, T, d]
+            assert kv is not None and kv.untyped_storage().nbytes() == kv.nbytes
 
 
 # ---------------------------------------------------------------------------------- EAGLE

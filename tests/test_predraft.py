@@ -95,6 +95,61 @@ def test_every_branch_hit_equals_drafting_after_the_verdict(
         assert copy.cache.length == twin.cache.length == len(twin.tokens) + 2
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, seed=7)], ids=str)
+def test_a_verdict_for_a_branch_still_drafting_is_answered_from_it(
+    draft: models.LoadedModel, params: SamplingParams
+) -> None:
+    """Catches a verdict that arrives while its branch is half drafted being counted a miss
+    (the probe and the feed thrown away: with many branches and a fast target most hits are of
+    this kind), and a branch finished early that differs from drafting after the verdict."""
+    pre = Predrafter(with_branches := LlmProposer(draft), branches=4)
+    state, _ = first_round(with_branches, params, gamma=4)
+    pre.offer(b"s", state)
+    pre.step()  # the probe
+    pre.step()  # the branches' feed: the batch is running, not one branch finished
+    assert pre.running is not None and not pre.waiting[b"s"].branches
+    k, token = _key_of_first_running(pre)
+    plain = LlmProposer(draft)
+    twin, _ = first_round(plain, params, gamma=4)
+    hit = pre.answer(DraftJob(b"s", 1, state, k, (token,)))
+    assert hit is not None and pre.stats.late_hits == 1 and pre.running is None
+    (expected,) = plain.propose([DraftJob(b"s", 1, twin, k, (token,))])
+    same(hit, expected)
+
+
+def _key_of_first_running(pre: Predrafter) -> tuple[int, int]:
+    assert pre.running is not None
+    row = pre.running[1][0][1]
+    return row.job.accepted, row.job.appended[0]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, seed=7)], ids=str)
+@pytest.mark.parametrize("round_gamma", [2, 3, 4])
+def test_a_branch_answers_any_round_gamma_up_to_its_own(
+    draft: models.LoadedModel, params: SamplingParams, round_gamma: int
+) -> None:
+    """Catches a hit at a shorter gamma that keeps the branch's extra tokens, KV positions or
+    generator draws (the round after would then differ from plain drafting), and a branch of
+    ``reach`` 1 not drafted one token longer than its session's gamma 3."""
+    pre = Predrafter(with_branches := LlmProposer(draft), branches=2, reach=1)
+    state, _ = first_round(with_branches, params, gamma=3, history=(100, 95))
+    pre.offer(b"s", state)
+    idle(pre)
+    (k, token), row = next(iter(pre.waiting[b"s"].branches.items()))
+    assert row.gamma == 4 and len(row.tokens) == 4
+    plain = LlmProposer(draft)
+    twin, _ = first_round(plain, params, gamma=3, history=(100, 95))
+    state.gamma = twin.gamma = round_gamma  # what the policy chose for this round
+    hit = pre.answer(DraftJob(b"s", 1, state, k, (token,)))
+    assert hit is not None and len(hit.tokens) == round_gamma
+    (expected,) = plain.propose([DraftJob(b"s", 1, twin, k, (token,))])
+    same(hit, expected)
+    nxt = [p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
+           for p, s in ((with_branches, state), (plain, twin))]  # fmt: skip
+    same(nxt[0], nxt[1])  # type: ignore[arg-type]
+    assert state.cache.length == twin.cache.length
+
+
 def test_a_miss_drafts_from_untouched_state(draft: models.LoadedModel) -> None:
     """Catches pre-drafting that changes the session (tokens, cache, generator) before its
     verdict: a verdict no branch matches must draft exactly as with no pre-drafting."""

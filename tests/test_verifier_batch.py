@@ -72,25 +72,6 @@ def test_a_ragged_forward_equals_each_row_alone(backend: TorchBackend) -> None:
     assert [c.length for c in caches] == [len(p) for p in PROMPTS]  # the inputs are untouched
 
 
-def test_the_per_layer_path_equals_the_packed_path(
-    backend: TorchBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Catches a divergence between the packed gather/scatter (one copy per row, used when every
-    layer's cache has one shape) and the per-layer one (models whose layers differ), fed with
-    each other's caches."""
-    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
-    packed = backend.forward([verifier.SequenceCache()] * 3, prompts)
-    monkeypatch.setattr(backend, "uniform", False)
-    per_layer = backend.forward([verifier.SequenceCache()] * 3, prompts)
-    mixed = backend.forward([packed[0].cache, per_layer[1].cache, packed[2].cache], [[7, 8]] * 3)
-    monkeypatch.setattr(backend, "uniform", True)
-    again = backend.forward([per_layer[0].cache, packed[1].cache, per_layer[2].cache], [[7, 8]] * 3)
-    for a, b, c, d in zip(packed, per_layer, mixed, again, strict=True):
-        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(c.logits, d.logits, atol=1e-5, rtol=1e-5)
-        assert c.cache.length == d.cache.length
-
-
 # ------------------------------------------------------------------------------ greedy
 
 

@@ -15,7 +15,7 @@ import torch
 
 from edge.backends.base import ModelInfo, RowOutput
 from starsd import models
-from starsd.batch import RaggedBatch, SequenceCache, packed_gather, packed_scatter
+from starsd.batch import RaggedBatch, SequenceCache
 
 
 class TorchBackend:
@@ -30,7 +30,6 @@ class TorchBackend:
                               loaded.max_positions)  # fmt: skip
         self.kv_shapes = models.kv_shapes(loaded)  # (kv heads, head dim) per layer
         self.dtype = next(loaded.model.parameters()).dtype
-        self.uniform = len(set(self.kv_shapes)) == 1  # every layer's cache of one shape
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu",
@@ -50,19 +49,13 @@ class TorchBackend:
                 features: bool = False) -> list[RowOutput]:  # fmt: skip
         """One padded forward of every row; see :meth:`VerifierBackend.forward`."""
         batch = RaggedBatch(tuple(c.length for c in caches), tuple(len(f) for f in feeds), 0)
-        device = self.loaded.device
-        if self.uniform:  # one copy per row in and out, not two per layer
-            big, buffers = packed_gather(batch, caches, self.kv_shapes[0], len(self.kv_shapes),
-                                         self.dtype, device)  # fmt: skip
-        else:
-            buffers = batch.gather(caches, self.kv_shapes, self.dtype, device)
+        buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.loaded.device)
         logits, hidden = models.forward_batch(
             self.loaded, batch.input_ids(feeds), batch.feed_positions(),
             batch.mask(batch.capacity), buffers, hidden=features,
         )  # [B, F, V], [B, F, H] or None  # fmt: skip
         return [RowOutput(logits[row, :fed], _rows(hidden, row, fed),
-                          packed_scatter(batch, big, row) if self.uniform
-                          else batch.scatter(buffers, row, 0))
+                          batch.scatter(buffers, row, 0))
                 for row, fed in enumerate(batch.fed)]  # fmt: skip
 
     def close(self) -> None:

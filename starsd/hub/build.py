@@ -47,7 +47,8 @@ def predrafter_for(proposer: Proposer, config: HubConfig) -> Predrafter | None:
     if not isinstance(proposer, LlmProposer) or config.predraft_branches == 0:
         return None
     return Predrafter(proposer, config.predraft_branches, rows=min(32, config.max_batch),
-                      max_sessions=config.max_sessions)  # fmt: skip
+                      max_sessions=config.max_sessions,
+                      reach=1 if config.auto_gamma else 0)  # fmt: skip
 
 
 def load_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:

@@ -19,7 +19,7 @@ the engine hands it, on the drafting thread and just before drafting, it
 With pre-drafting (draft LLM hubs), :class:`PacedPredrafter` stands in for the engine's
 pre-drafter: the engine asks it about each job first, so steps 1-3 happen there (the decision is
 kept on the session's pacing for ``propose``), and a pre-drafted branch answers a job only when
-the round's gamma is the branch's own, never at gamma 0 or with a verdict held.
+the round's gamma is at most the branch's own, never at gamma 0 or with a verdict held.
 
 Nothing here changes what is proposed for a given gamma, nor the verdict a proposer applies, so
 losslessness is the proposers' and the target's as before.
@@ -211,11 +211,13 @@ class PacedPredrafter:
 
     The engine asks it to answer each job from a pre-drafted branch before anything is drafted,
     so the policy decides the round here first (:meth:`PacedProposer.decide`; ``propose`` then
-    uses that decision). A branch answers only a round that drafts the branch's own gamma: the
-    pre-drafter matches against ``state.gamma``, which the decision sets (0 for a span alone,
-    which no branch has). A session whose verdict is held since a span alone is neither answered
-    nor offered: its ``state.proposed`` is not the proposal its target is answering. Anything
-    else is the pre-drafter's own. Drafting thread only, like the pre-drafter.
+    uses that decision). A branch answers a round that drafts at most the branch's own gamma
+    (its first tokens; under auto a branch drafts one more than its session's gamma, for a round
+    whose gamma grows): the pre-drafter matches against ``state.gamma``, which the decision sets
+    (0 for a span alone, which no branch answers). A session whose verdict is held since a span
+    alone is neither answered nor offered: its ``state.proposed`` is not the proposal its target
+    is answering. Anything else is the pre-drafter's own.
+    Drafting thread only, like the pre-drafter.
     """
 
     def __init__(self, inner: Any, paced: PacedProposer) -> None:

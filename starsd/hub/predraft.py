@@ -13,12 +13,14 @@ draft's own estimate of how likely that verdict is::
 
 (its confidence in the tokens accepted, then in c among the alternatives at k + 1; the rejection
 factor 1 - q(d_{k+1}) cancels against renormalising q without d_{k+1}). q_{gamma+1} needs one more
-forward, the *probe*, feeding d_gamma. A verdict that matches a finished branch (same k, the one
-appended token c, the same gamma) is answered from it with no model work: the session takes the
-branch's tokens, q rows, KV positions and generator state, which are exactly what drafting after
-that verdict would have produced, because the branch drew with a copy of the session's generator
-as it stood and fed the same committed prefix. Any other verdict drops the session's branches
-and is drafted as usual, from session state that pre-drafting never touched.
+forward, the *probe*, feeding d_gamma. A verdict that matches a branch (same k, the one appended
+token c) in a round whose gamma is at most the branch's is answered from it with no model work:
+the session takes the branch's first gamma tokens, q rows, KV positions and generator state,
+which are exactly what drafting after that verdict would have produced, because the branch drew
+with a copy of the session's generator as it stood and fed the same committed prefix (a branch
+still being drafted is finished first). Under ``--gamma auto`` a branch drafts ``reach`` = 1
+token more than its session's gamma, for a round whose gamma grows. Any other verdict drops the
+session's branches and is drafted as usual, from session state that pre-drafting never touched.
 
 Real jobs come first: the engine calls :meth:`Predrafter.step` only while Q_in is empty, and a
 step is one forward of at most ``rows`` rows, so a job that arrives waits for one small step.
@@ -59,6 +61,7 @@ class PredraftStats:
     hits: int = 0  # verdicts answered from a branch
     answered: int = 0  # verdicts of sessions that had been offered for pre-drafting
     branches: int = 0  # branches drafted
+    late_hits: int = 0  # hits whose branch was still being drafted (finished on the spot)
     busy_s: float = 0.0  # time spent pre-drafting (off the critical path by construction)
 
 
@@ -66,10 +69,13 @@ class Predrafter:
     """Branches for the sessions whose verdicts are out, drafted one forward at a time."""
 
     def __init__(self, proposer: LlmProposer, branches: int = 4, rows: int = 32,
-                 max_sessions: int = 256) -> None:  # fmt: skip
+                 max_sessions: int = 256, reach: int = 0) -> None:  # fmt: skip
         proposer.record_alternatives = True  # the top-k per position that branches come from
         self.proposer = proposer
         self.branches = branches
+        # tokens a branch drafts beyond the session's gamma: under --gamma auto the next
+        # round's gamma may grow by one, and a hit at any gamma up to the branch's own is exact
+        self.reach = reach
         self.rows = rows
         self.max_sessions = max_sessions
         self.waiting: OrderedDict[bytes, Waiting] = OrderedDict()  # oldest first
@@ -101,7 +107,7 @@ class Predrafter:
         if waiting is None or waiting.state is not job.state:
             return None
         self.stats.answered += 1
-        branch = self._match(waiting, job)
+        branch = self._match(waiting, job) or self._finish_for(waiting, job)
         if branch is None:
             return None
         self.stats.hits += 1
@@ -138,12 +144,33 @@ class Predrafter:
         assert self.running is not None
         steps, items = self.running
         if next(steps, StopIteration) is StopIteration:
-            self.running = None
-            for waiting, row in items:
-                if self._alive(waiting):
-                    key = (row.job.accepted, row.job.appended[0])
-                    waiting.branches[key] = row
-                    self.stats.branches += 1
+            self._keep(items)
+
+    def _finish_for(self, waiting: Waiting, job: DraftJob) -> LlmRow | None:
+        """A verdict whose branch is being drafted: finish that batch now and answer from it.
+
+        Its remaining steps cost no more than drafting the verdict from scratch (the probe and
+        the feed are done, and a step of a few rows costs about one of a single row), and the
+        branch is exactly what that drafting would produce.
+        """
+        key = (job.accepted, job.appended[0]) if len(job.appended) == 1 else None
+        items = self._running_items()
+        if key is None or not any(w is waiting and _key(row) == key for w, row in items):
+            return None
+        for _ in self.running[0] if self.running else ():
+            pass
+        self._keep(items)
+        self.stats.late_hits += 1
+        waiting.branches.update((_key(row), row) for w, row in items if w is waiting)
+        return self._match(waiting, job)
+
+    def _keep(self, items: list[tuple[Waiting, LlmRow]]) -> None:
+        """The running batch is done: keep each live session's branches."""
+        self.running = None
+        for waiting, row in items:
+            if self._alive(waiting):
+                waiting.branches[_key(row)] = row
+                self.stats.branches += 1
 
     def _probe(self) -> None:
         """The draft's alternatives for the bonus token, then every session's best branches."""
@@ -173,7 +200,7 @@ class Predrafter:
     def _row(self, waiting: Waiting, k: int, token: int) -> LlmRow | None:
         state = waiting.state
         committed = [*state.tokens, *state.proposed[:k], token]
-        gamma = self._gamma(state, len(committed))
+        gamma = self._gamma(state, len(committed), self.reach)
         if gamma < 1:
             return None
         prefix = min(state.cache.length, len(state.tokens) + k)  # as apply_verdict would crop
@@ -187,31 +214,44 @@ class Predrafter:
             return None
         row = waiting.branches.get((job.accepted, job.appended[0]))
         committed = len(waiting.state.tokens) + job.accepted + 1
-        if row is None or row.gamma != self._gamma(waiting.state, committed):
+        if row is None or not 1 <= self._gamma(waiting.state, committed) <= row.gamma:
             return None
         return row
 
     def _take(self, job: DraftJob, row: LlmRow) -> Proposal:
-        """Commit the verdict and the branch into the session: what drafting would have done."""
+        """Commit the verdict and the branch into the session: what drafting would have done.
+
+        A round at a shorter gamma than the branch's takes its first ``gamma`` tokens: the
+        same tokens, q rows, KV positions and generator state as drafting them would give.
+        """
         state: LlmState = job.state
+        gamma = self._gamma(state, len(state.tokens) + job.accepted + 1)  # <= row.gamma
         prefix = min(state.cache.length, len(state.tokens) + job.accepted)
         commit_verdict(state, job.accepted, job.appended)
         assert row.cache is not None
-        state.cache = state.cache.prefix(prefix).extended(row.cache)
-        state.generator.set_state(row.rng.get_state())
-        state.alternatives = row.alternatives or []
-        state.proposed = row.tokens
-        return make_proposal(job, row.tokens, row.q_rows, state.params)
+        drafted = row.cache.prefix(len(row.feed) + gamma - 1)  # the feed, then gamma - 1 steps
+        state.cache = state.cache.prefix(prefix).extended(drafted)
+        rng = row.rng_states[gamma - 1] if row.rng_states else row.rng.get_state()
+        state.generator.set_state(rng)
+        state.alternatives = (row.alternatives or [])[:gamma]
+        state.proposed = row.tokens[:gamma]
+        return make_proposal(job, state.proposed, row.q_rows[:gamma], state.params)
 
-    def _gamma(self, state: LlmState, committed: int) -> int:
+    def _gamma(self, state: LlmState, committed: int, reach: int = 0) -> int:
         limit = self.proposer.max_positions
-        return state.gamma if limit is None else min(state.gamma, limit - committed)
+        gamma = state.gamma + reach
+        return gamma if limit is None else min(gamma, limit - committed)
 
     def _alive(self, waiting: Waiting) -> bool:
         return self.waiting.get(waiting.tag) is waiting
 
     def _running_items(self) -> list[tuple[Waiting, LlmRow]]:
         return self.running[1] if self.running else []
+
+
+def _key(row: LlmRow) -> tuple[int, int]:
+    """The verdict (k, c) a branch row drafts after."""
+    return row.job.accepted, row.job.appended[0]
 
 
 def _verdicts(proposed: list[int], alternatives: list[tuple[list[int], list[float]]],

@@ -128,6 +128,8 @@ class ChainRow(Generic[S]):
     # the draft's top tokens and probabilities at each drawn position, when pre-drafting wants
     # them (None: not recorded)
     alternatives: list[tuple[list[int], list[float]]] | None = None
+    # a sampled branch's generator state after each draw (a shorter hit resumes from one)
+    rng_states: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def state(self) -> S:
@@ -141,7 +143,7 @@ class ChainRow(Generic[S]):
 
     def restart(self) -> None:
         """Forget what a failed batch drew, before the row is drafted again alone."""
-        self.tokens, self.q_rows = [], []
+        self.tokens, self.q_rows, self.rng_states = [], [], []
 
     def proposal(self) -> Proposal:
         """The wire proposal of what the row drew; the session remembers it for the verdict."""
@@ -169,6 +171,8 @@ def draw_step(logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int) -> t
             row.tokens.append(greedy[i])
             continue
         token, q = draw(logits[i], row.state.params, row.rng)
+        if row.generator is not None:
+            row.rng_states.append(row.generator.get_state())
         row.tokens.append(token)
         row.q_rows.append(q)  # type: ignore[arg-type]  # (a sampled draw returns q)
         fed[i] = token
