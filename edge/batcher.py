@@ -96,6 +96,7 @@ class Batcher:
         self._worker: asyncio.Task[None] | None = None
         self._watchers: dict[int, Callable[[TargetSequence], None]] = {}
         self.stats = stats if stats is not None else BatchStats()
+        self._full_logged = False  # the first full batch is worth an INFO line, not every one
 
     # ------------------------------------------------------------------ what sequences call
 
@@ -135,8 +136,8 @@ class Batcher:
         for item in self._pending:
             item.future.cancel()
         self._pending.clear()
-        if self._own_pool:
-            self._pool.shutdown(wait=True)
+        if self._own_pool:  # waits out a forward still running, off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown)
 
     async def __aenter__(self) -> Batcher:
         return self
@@ -187,6 +188,10 @@ class Batcher:
             log.error("batched forward of %d rows failed: %r", len(batch), exc)
             results = [exc] * len(batch)
         self.stats.record(batch)
+        if len(batch) == self.max_batch and not self._full_logged:
+            self._full_logged = True
+            log.info("a forward took --max-batch %d rows: more sequences wait for the next one",
+                     self.max_batch)  # fmt: skip
         for item, result in zip(batch, results, strict=True):
             if not item.future.done():
                 if isinstance(result, BaseException):
