@@ -51,9 +51,10 @@ def bench_standalone(target: models.LoadedModel, cfg: BenchConfig
     """The target alone; returns its record, the mean decode step (T_ar) and the generated ids
     per prompt (what every greedy mode must reproduce)."""
     tokens, seconds, lat, ids = 0, 0.0, [], []
+    backend = TorchBackend(target)
     for prompt in PROMPTS:
-        seq = TargetSequence(TorchBackend(target), models.encode_text(target, prompt),
-                             SamplingParams(), cfg.max_new_tokens)  # fmt: skip
+        seq = TargetSequence(backend, models.encode_text(target, prompt), SamplingParams(),
+                             cfg.max_new_tokens)  # fmt: skip
         started = time.perf_counter()
         while not seq.done:
             seq.step()
@@ -77,11 +78,11 @@ def bench_centralized(target: models.LoadedModel, drafter: Proposer, cfg: BenchC
     tokens = rounds = accepted = 0
     draft_s = verify_s = 0.0
     lat: list[float] = []
+    backend = TorchBackend(target)
     started = time.perf_counter()
     for prompt in PROMPTS:
         ids = models.encode_text(target, prompt)
-        seq = TargetSequence(TorchBackend(target), ids, SamplingParams(), cfg.max_new_tokens,
-                             eagle)  # fmt: skip
+        seq = TargetSequence(backend, ids, SamplingParams(), cfg.max_new_tokens, eagle)
         state = drafter.new_state(ids, SamplingParams(), cfg.gamma)
         job = DraftJob(b"", 0, state, 0, (), features=_features(seq, 0, eagle))
         while not seq.done:
