@@ -64,12 +64,15 @@ class BatchStats:
     max_rows: int = 0
     rows_by_kind: dict[str, int] = field(default_factory=dict)
 
-    def record(self, items: Sequence[WorkItem]) -> None:
+    def record(self, kinds: Sequence[str]) -> None:
+        """One forward of rows of these kinds (nothing when no row needed a forward)."""
+        if not kinds:
+            return
         self.forwards += 1
-        self.rows += len(items)
-        self.max_rows = max(self.max_rows, len(items))
-        for item in items:
-            self.rows_by_kind[item.kind] = self.rows_by_kind.get(item.kind, 0) + 1
+        self.rows += len(kinds)
+        self.max_rows = max(self.max_rows, len(kinds))
+        for kind in kinds:
+            self.rows_by_kind[kind] = self.rows_by_kind.get(kind, 0) + 1
 
     @property
     def mean_rows(self) -> float:
@@ -183,12 +186,12 @@ class Batcher:
         """One forward in the model thread; every item's future gets its result or error."""
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._pool, compute, self.backend, batch)
+            results, kinds = await loop.run_in_executor(self._pool, compute, self.backend, batch)
         except Exception as exc:  # the forward itself failed: this batch hears it, not others
             log.error("batched forward of %d rows failed: %r", len(batch), exc)
-            results = [exc] * len(batch)
-        self.stats.record(batch)
-        if len(batch) == self.max_batch and not self._full_logged:
+            results, kinds = [exc] * len(batch), []
+        self.stats.record(kinds)
+        if len(kinds) == self.max_batch and not self._full_logged:
             self._full_logged = True
             log.info("a forward took --max-batch %d rows: more sequences wait for the next one",
                      self.max_batch)  # fmt: skip
@@ -203,9 +206,10 @@ class Batcher:
                 watcher(item.seq)
 
 
-def compute(backend: VerifierBackend, batch: Sequence[WorkItem]) -> list[Any]:
-    """Run one group of items as one forward (model thread). A row the verifier refuses gets
-    its ValueError as its result; the other rows still run."""
+def compute(backend: VerifierBackend, batch: Sequence[WorkItem]) -> tuple[list[Any], list[str]]:
+    """Run one group of items as one forward (model thread): each item's result (a row the
+    verifier refuses gets its ValueError; the other rows still run) and the kinds of the rows
+    that went into the forward."""
     results: list[Any] = [None] * len(batch)
     rows = []
     for n, item in enumerate(batch):
@@ -216,10 +220,11 @@ def compute(backend: VerifierBackend, batch: Sequence[WorkItem]) -> list[Any]:
         except ValueError as exc:
             results[n] = exc
     if rows and batch[rows[0]].kind == PREFILL:
-        verifier.prefill_batch(backend, [batch[n].seq for n in rows])
-    elif rows:
+        fed = verifier.prefill_batch(backend, [batch[n].seq for n in rows])
+        return results, [PREFILL] * fed
+    if rows:
         proposals = [(batch[n].seq, batch[n].drafts, batch[n].q_probs) for n in rows]
         done = verifier.decode_batch(backend, proposals, [batch[n].kind == VERIFY for n in rows])
         for n, (accepted, appended) in zip(rows, done, strict=True):
             results[n] = appended[0] if batch[n].kind == STEP else (accepted, appended)
-    return results
+    return results, [batch[n].kind for n in rows]

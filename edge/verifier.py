@@ -192,9 +192,9 @@ class TargetSequence:
 # ---------------------------------------------------------------------- batch operations
 
 
-def prefill_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> None:
+def prefill_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> int:
     """Feed every sequence's uncached prompt tokens but the last, in one forward (rows with
-    nothing to feed, such as one-token prompts, are skipped)."""
+    nothing to feed, such as one-token prompts, are skipped); returns the rows fed."""
     _distinct(seqs)
     rows = [s for s in seqs if not s.done and len(s.uncached()) > 1]
     if rows:
@@ -205,6 +205,7 @@ def prefill_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> N
             seq.cache = out.cache
     for seq in seqs:
         seq.stats.last_commit = time.perf_counter()  # latency counts decoding, not the prefill
+    return len(rows)
 
 
 def step_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> list[int]:
