@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS = $(if $(QUICK),--quick)
 
 .PHONY: venv install test test-fast test-load hostile-probe lint demo models eval-models bench bench-scale bench-lan \
-	bench-service \
+	bench-service bench-onnx check-gpu load \
 	analytic clean help
 
 help:
@@ -33,6 +33,10 @@ help:
 	@echo "                 RSS, fixed gamma vs --gamma auto -> results/bench-scale.json + .png [QUICK=1: < 4 min]"
 	@echo "make bench-service  S(B) of the draft LLM and EAGLE head in process -> results/bench-service.json [QUICK=1]"
 	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
+	@echo "make bench-onnx  onnxruntime CPU vs torch CPU, greedy tok/s on the default target -> results/bench-onnx.json"
+	@echo "make check-gpu   (NVIDIA GPU) onnxruntime CUDA/TensorRT vs torch -> results/gpu-backends.json"
+	@echo "make load        streaming clients against edge.target --serve, hub vs --standalone"
+	@echo "                 (or URL=http://... a running server) -> results/load.json [QUICK=1]"
 
 $(BIN)/python:
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -44,7 +48,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	@$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[hub,edge,train,bench,test,dev]"
+	$(BIN)/pip install -q -e ".[hub,edge,edge-torch,export,serve,train,bench,test,dev]"
 	@touch $(STAMP)
 
 venv install: $(STAMP)
@@ -90,8 +94,18 @@ bench-scale: $(STAMP)
 bench-service: $(STAMP)
 	$(BIN)/python scripts/bench_service.py $(BENCH_ARGS)
 
+bench-onnx: $(STAMP)
+	$(BIN)/python scripts/bench_onnx.py --out results/bench-onnx.json
+
+check-gpu: $(STAMP)
+	$(BIN)/python scripts/check_gpu_backends.py --out results/gpu-backends.json
+
 bench-lan: $(STAMP)
 	$(BIN)/python scripts/bench.py --suite lan $(BENCH_ARGS)
+
+# Without URL: starts a hub + `edge.target --serve` (then --standalone) on the default pair.
+load: $(STAMP)
+	$(BIN)/python scripts/load.py $(BENCH_ARGS) $(if $(URL),--url $(URL))
 
 analytic: $(STAMP)
 	$(BIN)/python -m starsd.analytic --from results/bench-scale.json --plot results/analytic.png

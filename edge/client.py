@@ -195,7 +195,10 @@ class HubClient:
         try:
             await transport.send(self.sock, msg)
             reply = await asyncio.wait_for(inbox.get(), timeout)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            self._close_unclaimed(inbox)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise HubUnavailable(f"no OPENED within {timeout:.2f} s") from None
         finally:
             del self._waiting[ref]
@@ -294,6 +297,16 @@ class HubClient:
             return
         self._waiting[tag] = self._waiting[ref]
         self._deliver(ref, msg)
+
+    def _close_unclaimed(self, inbox: asyncio.Queue[protocol.Message]) -> None:
+        """Close a session whose OPENED reached the inbox but not the caller (it timed out or
+        was cancelled at that moment, e.g. an HTTP client went away): else it would stay open
+        on the hub until this target's lease ends."""
+        while not inbox.empty():
+            msg = inbox.get_nowait()
+            if isinstance(msg, Opened):
+                self._waiting.pop(msg.tag, None)
+                self._send_soon(Close(msg.tag))
 
     def _hub_lost(self, msg: Error) -> None:
         if self._hello is not None and not self._hello.done():

@@ -33,16 +33,18 @@ class Engine:
         self.gamma = gamma  # 0: the hub's choice
         self.fallback = fallback or Fallback()
 
+    def collect_features(self) -> bool:
+        """Whether a new sequence should keep its features: when the hub drafts from them, or
+        while no hub has answered yet (an EAGLE hub may be the one that appears). They cost a
+        little per forward."""
+        client = self.client
+        return client is not None and (client.wants_features or not client.up)
+
     def new_sequence(self, prompt: list[int], params: SamplingParams,
                      max_new_tokens: int) -> TargetSequence:  # fmt: skip
-        """A sequence for :meth:`run` (not prefilled yet: :meth:`run` batches its prefill).
-
-        Features cost a little per forward: kept when the hub drafts from them, or while no hub
-        has answered yet (an EAGLE hub may be the one that appears).
-        """
-        client = self.client
-        features = client is not None and (client.wants_features or not client.up)
-        return TargetSequence(self.backend, prompt, params, max_new_tokens, features, prefill=False)
+        """A sequence for :meth:`run` (not prefilled yet: :meth:`run` batches its prefill)."""
+        return TargetSequence(self.backend, prompt, params, max_new_tokens,
+                              self.collect_features(), prefill=False)  # fmt: skip
 
     async def run(self, seq: TargetSequence, on_tokens: Callable[[list[int]], None] | None = None
                   ) -> TargetSequence:  # fmt: skip

@@ -3,6 +3,8 @@
     python -m edge.target --hub tcp://HOST:5555 --model DIR --prompt TEXT [--max-new-tokens N]
     python -m edge.target --hub tcp://HOST:5555 --prompts IN.jsonl --out OUT.jsonl --concurrency K
     python -m edge.target --standalone --prompt TEXT     # no hub: plain autoregressive decoding
+    python -m edge.target --hub tcp://HOST:5555 --serve [--host 127.0.0.1] [--port 8000]
+                                  # an OpenAI-compatible HTTP server (edge.serve), /metrics
     ... [--backend torch|onnxruntime] [--max-batch 32]  # model runtime; rows per batched forward
 
 JSONL in: {"id": ..., "prompt": "...", "max_new_tokens": 32} (optional per line: "temperature",
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import ipaddress
 import json
 import logging
 import os
@@ -27,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +44,9 @@ from edge.speculate import Fallback
 from edge.verifier import TargetSequence
 from starsd import curve_client, models, protocol, transport
 from starsd.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from edge.generation import Job
 
 log = logging.getLogger("edge.target")
 PROG = "python -m edge.target"
@@ -71,6 +78,14 @@ class TargetConfig:
     resync_s: float = 5.0
     curve_secret: str | None = None
     hub_public_key: str | None = None
+    # --serve: the OpenAI-compatible HTTP server (edge.serve)
+    serve: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # required (Bearer) when --host is not loopback
+    max_queue: int = 64  # requests running + waiting; past it 429
+    max_body_bytes: int = 1 << 20
+    served_model_name: str | None = None  # default: the model directory's name
 
     @property
     def curve(self) -> curve_client.CurveClientConfig | None:
@@ -95,6 +110,7 @@ class Request:
     prompt: str
     max_new_tokens: int
     sampling: SamplingParams | None = None
+    prompt_ids: tuple[int, ...] | None = None  # already tokenized (the HTTP server's chat)
 
 
 @dataclass(frozen=True)
@@ -171,16 +187,18 @@ def _row_number(row: dict[str, Any], key: str, default: Any, kind: type) -> Any:
         raise ValueError(f"{key} {value!r} is out of range") from None
 
 
-def new_sequence(engine: Engine, config: TargetConfig, request: Request,
-                 index: int) -> TargetSequence:  # fmt: skip
-    """A fresh sequence for ``request`` (prefilled by ``engine.run``); seeds differ per request
-    but not per run. It keeps the target's features where an EAGLE hub may draft from them (from
-    the first position on, so the sequence can be re-opened on a hub at any point)."""
+def new_sequence(backend: VerifierBackend, config: TargetConfig, request: Request, index: int,
+                 collect_features: bool = False) -> TargetSequence:  # fmt: skip
+    """A fresh sequence for ``request``, not prefilled yet (:meth:`Engine.run` batches that);
+    seeds differ per request but not per run. ``collect_features`` keeps the target's features
+    for an EAGLE hub (from the first position on, so the sequence can be re-opened on a hub at
+    any point): :meth:`Engine.collect_features` says when."""
     params = request.sampling or SamplingParams(
         config.temperature, config.top_k, config.top_p, config.seed + index
     )
-    prompt = engine.backend.encode(request.prompt)
-    return engine.new_sequence(prompt, params, request.max_new_tokens)
+    prompt = list(request.prompt_ids or backend.encode(request.prompt))
+    return TargetSequence(backend, prompt, params, request.max_new_tokens, collect_features,
+                          prefill=False)  # fmt: skip
 
 
 def to_result(backend: VerifierBackend, request: Request, seq: TargetSequence) -> Result:
@@ -232,13 +250,28 @@ async def _run_all(config: TargetConfig, backend: VerifierBackend, requests: lis
                  "flight", getattr(backend, "name", type(backend).__name__), config.max_batch,
                  config.concurrency)  # fmt: skip
 
+        bar = _progress(config, len(requests))
+
         async def one(index: int, request: Request) -> Result:
             async with limit:
-                seq = await engine.run(new_sequence(engine, config, request, index))
+                seq = new_sequence(backend, config, request, index, engine.collect_features())
+                await engine.run(seq)
                 _log_sequence(request, seq)
+                bar.update(1)
                 return to_result(backend, request, seq)
 
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+        try:
+            return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+        finally:
+            bar.close()
+
+
+def _progress(config: TargetConfig, total: int) -> Any:
+    """A tqdm bar over --prompts on a terminal (stderr); a silent one otherwise."""
+    from tqdm import tqdm
+
+    quiet = config.prompts is None or not sys.stderr.isatty()
+    return tqdm(total=total, unit="seq", disable=quiet, file=sys.stderr)
 
 
 def _log_sequence(request: Request, seq: TargetSequence) -> None:
@@ -266,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt; its completion is printed")
     source.add_argument("--prompts", help="JSONL file of requests")
+    source.add_argument("--serve", action="store_true",
+                        help="serve the OpenAI API over HTTP (see README 'Serve it')")
     p.add_argument("--out", help="JSONL results (default: stdout)")
     p.add_argument("--max-new-tokens", type=int, default=TargetConfig.max_new_tokens)
     p.add_argument("--temperature", type=float, default=TargetConfig.temperature)
@@ -289,6 +324,7 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                    help="re-open a hub session silent for this long")
     p.add_argument("--curve-secret", help="this target's key pair (starsd keys generate)")
     p.add_argument("--hub-public-key", help="the hub's public .key file")
+    _serve_arguments(p)
     config = TargetConfig(**vars(p.parse_args(argv)))
     if (config.curve_secret is None) != (config.hub_public_key is None):
         p.error("--curve-secret and --hub-public-key go together")
@@ -300,7 +336,40 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
         p.error("--concurrency must be >= 1")
     if config.max_batch < 1:
         p.error("--max-batch must be >= 1")
+    if config.serve:
+        _check_serve(p, config)
     return config
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--serve (an OpenAI-compatible HTTP server; "
+                             "--concurrency: sequences decoded at once)")  # fmt: skip
+    g.add_argument("--host", default=TargetConfig.host,
+                   help="address to listen on (not loopback: --api-key required)")
+    g.add_argument("--port", type=int, default=TargetConfig.port)
+    g.add_argument("--api-key", default=os.environ.get("STARSD_API_KEY"),
+                   help="Bearer key the /v1 routes require (default: $STARSD_API_KEY)")
+    g.add_argument("--max-queue", type=int, default=TargetConfig.max_queue,
+                   help="requests running + waiting; past it new ones get 429")
+    g.add_argument("--max-body-bytes", type=int, default=TargetConfig.max_body_bytes)
+    g.add_argument("--served-model-name", help="the model name clients use (default: the "
+                                               "model directory's name)")  # fmt: skip
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") is only reachable from this machine."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _check_serve(p: argparse.ArgumentParser, config: TargetConfig) -> None:
+    if not is_loopback(config.host) and not config.api_key:
+        p.error(f"--host {config.host} is not loopback: set --api-key (or $STARSD_API_KEY), "
+                "and put TLS in front of it")  # fmt: skip
+    if config.max_queue < 1 or config.max_body_bytes < 1:
+        p.error("--max-queue and --max-body-bytes must be >= 1")
 
 
 def write_results(config: TargetConfig, results: list[Result]) -> None:
@@ -313,11 +382,34 @@ def write_results(config: TargetConfig, results: list[Result]) -> None:
         sys.stdout.write("".join(r.to_json() + "\n" for r in results))
 
 
+def job_sequence(
+    backend: VerifierBackend, config: TargetConfig, job: Job, index: int, features: bool
+) -> TargetSequence:
+    """The sequence of an HTTP request (edge.serve): built as a --prompts line's is (not
+    prefilled: the server's engine batches that)."""
+    request = Request(None, "", job.max_tokens, job.params, prompt_ids=job.prompt_ids)
+    return new_sequence(backend, config, request, index, features)
+
+
+def _serve(config: TargetConfig) -> int:
+    from edge import serve  # fastapi, uvicorn, prometheus_client: only for --serve
+
+    torch.set_num_threads(config.threads)
+    try:
+        backend = load_backend(config.backend, config.model, config.device, config.dtype)
+    except (BackendUnavailable, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    return serve.main(config, backend, functools.partial(job_sequence, backend, config))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m edge.target``; returns the exit code."""
     logging.basicConfig(level=os.environ.get("STARSD_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     config = parse_args(argv)
+    if config.serve:
+        return _serve(config)
     try:  # a bad line is refused like a bad option: before loading any model
         requests = load_requests(config)
     except (OSError, ValueError) as exc:

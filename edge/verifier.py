@@ -13,7 +13,7 @@ token, up to float rounding of the batched kernels).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,9 @@ class TargetSequence:
         # last (whose forward has not run yet), kept in float16 for the wire.
         self.collect_features = collect_features
         self.feature_rows: list[torch.Tensor] = []  # each [H] float16
+        # Called (in whichever thread commits) with each run of newly committed tokens: the
+        # HTTP server (edge.serve) streams them as they land. None: nobody listens.
+        self.on_commit: Callable[[list[int]], None] | None = None
         if prefill:
             prefill_batch(backend, [self])
 
@@ -177,11 +180,14 @@ class TargetSequence:
     def _commit(self, tokens: list[int]) -> None:
         # Stop exactly where the target alone would: at the first EOS (kept) or the length limit.
         self.stats.record_commit(len(tokens))
+        start = len(self.generated)
         for token in tokens:
             self.generated.append(token)
             if token in self.info.eos_token_ids or len(self.generated) >= self.max_new_tokens:
                 self._finish()
-                return
+                break
+        if self.on_commit is not None:
+            self.on_commit(self.generated[start:])
 
     def _finish(self) -> None:
         self.done = True

@@ -70,9 +70,14 @@ def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32"
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A short hash of the vocabulary and special tokens: equal iff ids mean the same text."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    special = sorted(str(t) for t in tokenizer.all_special_tokens)
-    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return fingerprint_of(tokenizer.get_vocab(), tokenizer.all_special_tokens)
+
+
+def fingerprint_of(vocab: dict[str, int], special: Any) -> str:
+    """:func:`tokenizer_fingerprint` from a vocabulary and special tokens (no transformers: the
+    ONNX Runtime backend recomputes it from ``tokenizer.json`` with the tokenizers library)."""
+    items = sorted(vocab.items(), key=lambda kv: kv[1])
+    blob = json.dumps([items, sorted(str(t) for t in special)], ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -171,6 +176,34 @@ def forward_batch(
     return out.logits.float().cpu(), features
 
 
+def forward_explicit(
+    model: Any,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    past: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, ...]:
+    """A cached forward with the cache as plain tensors in and out: what ``edge.export`` traces.
+
+    Args:
+        input_ids, position_ids: [B, n]; attention_mask: [B, T + n] (1: a real key);
+        past: per layer (keys, values), each [B, heads, T, d] (T may be 0).
+
+    Returns:
+        (logits [B, n, V], last hidden state [B, n, H], then per layer keys and values
+        [B, heads, T + n, d]).
+    """
+    from transformers import DynamicCache
+
+    cache: Any = DynamicCache(config=model.config)
+    for layer, (keys, values) in enumerate(past):
+        cache.update(keys, values, layer)
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                cache=cache, use_cache=True, output_hidden_states=True)  # fmt: skip
+    present = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return (out.logits, out.hidden_states[-1], *present)
+
+
 def _buffer_cache(buffers: list[LayerBuffer]) -> Any:
     """A transformers cache whose layers append into ``buffers`` in place (no cat per step)."""
     from transformers.cache_utils import Cache
@@ -238,3 +271,23 @@ def encode_text(loaded: LoadedModel, text: str) -> list[int]:
 def decode_ids(loaded: LoadedModel, ids: list[int]) -> str:
     """Text of generated token ids, special tokens dropped."""
     return str(loaded.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def has_chat_template(loaded: LoadedModel) -> bool:
+    """Whether the tokenizer carries a chat template (chat requests need one)."""
+    return bool(getattr(loaded.tokenizer, "chat_template", None))
+
+
+def chat_prompt_ids(loaded: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template, ready for the
+    assistant's turn. The template writes its own special tokens (no second BOS is added).
+    ValueError when the tokenizer has no template or the template refuses the messages."""
+    if not has_chat_template(loaded):
+        raise ValueError(f"model {loaded.name} has no chat template")
+    try:
+        rendered = loaded.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True)  # fmt: skip
+    except Exception as exc:  # a jinja TemplateError (e.g. raise_exception on a role)
+        raise ValueError(f"the chat template refused the messages: {exc}") from None
+    ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    return [int(i) for i in ids]

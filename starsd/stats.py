@@ -99,6 +99,7 @@ class HubStats:
     over_budget: int = 0  # messages dropped unread: their peer sent faster than its budget
     predraft_s: float = 0.0  # the drafting thread's time pre-drafting, while no job waited
     by_size: dict[int, tuple[int, float]] = field(default_factory=dict)  # B -> (count, seconds)
+    errors_by_code: dict[str, int] = field(default_factory=dict)  # ERROR replies sent, by code
 
     def record_batch(self, jobs: int, busy_s: float, busy_cpu_s: float) -> None:
         """A batch was drafted and delivered in ``busy_s`` wall (``busy_cpu_s`` CPU) seconds."""

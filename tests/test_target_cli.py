@@ -127,3 +127,18 @@ def test_an_unavailable_backend_exits_2_naming_it(
     assert target.main(argv) == 2
     err = capsys.readouterr().err
     assert "python -m edge.target: error: the onnxruntime backend is not available" in err, err
+
+
+def test_the_progress_bar_shows_for_prompts_on_a_terminal_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught: a bar drawn into a log file or a pipe (or never on a terminal)."""
+    config = target.parse_args(["--prompts", str(tmp_path / "in.jsonl"), "--standalone"])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert target._progress(config, 3).disable
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    bar = target._progress(config, 3)
+    assert not bar.disable
+    bar.close()
+    single = target.parse_args(["--prompt", "x", "--standalone"])
+    assert target._progress(single, 1).disable

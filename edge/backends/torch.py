@@ -45,6 +45,15 @@ class TorchBackend:
         """Text of generated ids, special tokens dropped."""
         return models.decode_ids(self.loaded, list(ids))
 
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer carries a chat template (the HTTP server's chat route)."""
+        return models.has_chat_template(self.loaded)
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template (ValueError: none, or the
+        template refuses them)."""
+        return models.chat_prompt_ids(self.loaded, messages)
+
     def forward(self, caches: Sequence[SequenceCache], feeds: Sequence[Sequence[int]],
                 features: bool = False) -> list[RowOutput]:  # fmt: skip
         """One padded forward of every row; see :meth:`VerifierBackend.forward`."""

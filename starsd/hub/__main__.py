@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--predraft-branches", type=int, default=HubConfig.predraft_branches,
                    help="while no job waits, draft ahead for this many likely verdicts per "
                         "session whose proposal is out (draft-kind llm); 0 turns it off")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics on http://--metrics-host:PORT/metrics (off "
+                        "by default)")  # fmt: skip
+    p.add_argument("--metrics-host", default=HubConfig.metrics_host)
     p.add_argument("--insecure", action="store_true",
                    help="allow plain text on a non-loopback --bind (trusted networks only)")
     args = p.parse_args(argv)
@@ -96,10 +100,17 @@ async def run(config: HubConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, hub.stop)
     loop.add_signal_handler(signal.SIGHUP, lambda: hub.allow.reload() if hub.allow else None)
+    exporter = None
+    if config.metrics_port is not None:
+        from starsd.hub import metrics
+
+        exporter = metrics.serve_metrics(hub, config.metrics_host, config.metrics_port)
     ctx = transport.new_context()
     try:
         await hub.serve(ctx)
     finally:
+        if exporter is not None:
+            exporter.close()
         ctx.term()
 
 

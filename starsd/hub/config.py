@@ -36,6 +36,8 @@ class HubConfig:
     max_batch: int = 64  # draft jobs drafted together in one batch (1: one at a time)
     gather: bool = True  # a batch waits for the verdicts due within one batch's service time
     predraft_branches: int = 4  # verdicts pre-drafted per session while idle (0: off; llm only)
+    metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

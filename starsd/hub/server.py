@@ -263,6 +263,8 @@ class Hub:
         """
         if isinstance(msg, Error):
             self.stats.errors_sent += msg.code != ErrorCode.SHUTTING_DOWN  # notices aren't errors
+            codes = self.stats.errors_by_code  # the hub's own codes: a bounded set
+            codes[msg.code] = codes.get(msg.code, 0) + 1
             self._log_error("->", routing_id, msg)
         if isinstance(msg, _STAMPED):
             msg = dataclasses.replace(msg, epoch=self.epoch)

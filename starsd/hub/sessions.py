@@ -93,6 +93,7 @@ class SessionTable:
         self.sessions: dict[bytes, Session] = {}
         self.owned_by: dict[bytes, int] = {}  # sessions per owner key, over all its connections
         self.draining = False  # set once: no new sessions, no new rounds
+        self.on_forget: Callable[[Peer], None] | None = None  # metrics keep a gone peer's totals
 
     # ------------------------------------------------------------------ peers
 
@@ -110,7 +111,8 @@ class SessionTable:
 
     def forget(self, peer: Peer) -> list[Session]:
         """Drop a peer and every session bound to it; returns the sessions that went."""
-        self.peers.pop(peer.routing_id, None)
+        if self.peers.pop(peer.routing_id, None) is not None and self.on_forget is not None:
+            self.on_forget(peer)
         gone = [self.sessions[t] for t in peer.tags if t in self.sessions]
         for session in gone:
             self.drop(session)
