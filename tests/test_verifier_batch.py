@@ -352,3 +352,31 @@ def test_one_target_at_concurrency_4_batches_and_equals_the_target_alone(
     assert sum(r["stats"]["rounds"] for r in rows) > 0  # the hub's proposals were verified
     assert _rows_per_forward(spec.text()) > 1.0
     assert _rows_per_forward(alone.text()) > 2.0
+
+
+@pytest.mark.slow
+def test_the_onnxruntime_backend_through_a_hub_at_concurrency_4_equals_generate(
+    tmp_path: Path,
+) -> None:
+    """``edge.target --backend onnxruntime`` (CPU provider, float32) speculating through a real
+    hub with 4 sequences batched: greedy output equals transformers' ``generate()`` token for
+    token. Catches the backend flag not reaching the factory, and an ONNX Runtime backend that
+    is exact alone but not on ragged verification batches with rollback."""
+    pytest.importorskip("onnxruntime")
+    from edge import export as exporter
+
+    target_dir, draft_dir = build_pair(tmp_path, "llama")
+    exporter.export(target_dir, tmp_path / "onnx")
+    prompts = write_prompts(tmp_path / "in.jsonl", E2E_PROMPTS[:4])
+    hub = HubProcess(draft_dir, tmp_path / "hub.log")
+    try:
+        spec = TargetProcess(hub.endpoint, tmp_path / "onnx", prompts, tmp_path / "out.jsonl",
+                             "--concurrency", "4", "--deadline-ms", "60000", "--backend",
+                             "onnxruntime")  # fmt: skip
+        rows = spec.wait()
+    finally:
+        hub.stop()
+    for row, prompt in zip(rows, E2E_PROMPTS[:4], strict=True):
+        assert row["token_ids"] == reference(target_dir, prompt, 24), prompt
+    assert sum(r["stats"]["rounds"] for r in rows) > 0
+    assert _rows_per_forward(spec.text()) > 1.0
