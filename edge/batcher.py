@@ -203,7 +203,10 @@ class Batcher:
                     item.future.set_result(result)
             watcher = self._watchers.get(id(item.seq))
             if watcher is not None:
-                watcher(item.seq)
+                try:
+                    watcher(item.seq)
+                except Exception:  # a listener's bug must not stop the worker (all would hang)
+                    log.exception("a watcher of a sequence failed")
 
 
 def compute(backend: VerifierBackend, batch: Sequence[WorkItem]) -> tuple[list[Any], list[str]]:
