@@ -1,11 +1,12 @@
 """Requests of the HTTP server as sequences in flight: admission, decoding, streamed text.
 
 Each admitted request becomes a task that waits for one of ``concurrency`` slots, builds its
-sequence with :func:`edge.target.new_sequence` (prefill in the worker thread) and decodes it with
-:func:`edge.speculate.generate_speculative`, the same per-sequence path as ``--prompts``: the hub
-proposes where it is up, the target decodes alone where it is not. The sequence's ``on_commit``
-hook (called in the worker thread) posts each run of committed tokens to the request's queue on
-the event loop; :meth:`Generation.events` turns them into stable text deltas
+sequence with :func:`edge.target.new_sequence` and decodes it with
+:func:`edge.speculate.generate_speculative`, the same per-sequence path as ``--prompts`` (every
+forward, the prefill too, batched with the other requests' by :class:`edge.batcher.Batcher`):
+the hub proposes where it is up, the target decodes alone where it is not. The sequence's
+``on_commit`` hook (called in the worker thread) posts each run of committed tokens to the
+request's queue on the event loop; :meth:`Generation.events` turns them into stable text deltas
 (:mod:`edge.textstream`), applies ``stop`` strings and records the metrics.
 
 Cancelling a generation (a client that went away, a stop string) cancels its task:
@@ -20,17 +21,18 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from edge import speculate
+from edge.backends.base import VerifierBackend
+from edge.batcher import Batcher
 from edge.client import HubClient, HubError
 from edge.metrics import TargetMetrics
 from edge.speculate import generate_speculative, standalone_step
 from edge.textstream import TextStream
 from edge.verifier import TargetSequence
-from starsd import models, protocol
+from starsd import protocol
 from starsd.protocol import SamplingParams
 
 log = logging.getLogger("edge.serve")
@@ -48,6 +50,8 @@ class ServeConfig(Protocol):
     def gamma(self) -> int: ...
     @property
     def fallback(self) -> speculate.Fallback: ...
+    @property
+    def max_batch(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -82,14 +86,15 @@ _Commit = tuple[list[int], int, int, int]
 class Engine:
     """Admission, the decoding slots and the worker thread shared by every request."""
 
-    def __init__(self, config: ServeConfig, target: models.LoadedModel, metrics: TargetMetrics,
+    def __init__(self, config: ServeConfig, target: VerifierBackend, metrics: TargetMetrics,
                  client: HubClient | None, new_sequence: NewSequence) -> None:  # fmt: skip
         self.config = config
         self.target = target
         self.new_sequence = new_sequence
         self.metrics = metrics
         self.client = client  # None: --standalone
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        # the one model thread: every request's forwards batched (edge.batcher)
+        self.batcher = Batcher(target, config.max_batch)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.running = 0
         self.waiting = 0
@@ -138,20 +143,21 @@ class Engine:
 
     async def _run(self, generation: Generation) -> None:
         loop = asyncio.get_running_loop()
-        seq = await loop.run_in_executor(self.pool, self._new_sequence, generation.job)
+        seq = self._new_sequence(generation.job)  # no model work: the prefill is batched
         generation.seq = seq
         seq.on_commit = generation.hook(loop)
-        if self.client is None:  # --standalone: the baseline, one token per executor call
+        await self.batcher.prefill(seq)
+        if self.client is None:  # --standalone: the baseline, one (batched) step per token
             while not seq.done:
-                await loop.run_in_executor(self.pool, seq.step)
+                await self.batcher.step(seq)
             return
         try:
-            await generate_speculative(self.client, seq, self.config.gamma, self.pool,
+            await generate_speculative(self.client, seq, self.config.gamma, self.batcher,
                                        self.config.fallback)  # fmt: skip
         except (HubError, protocol.ProtocolError) as exc:  # the session is closed already
             log.warning("hub failed this request (%s): finishing it alone", exc)
             while not seq.done:
-                await standalone_step(seq, self.pool)
+                await standalone_step(seq, self.batcher)
 
     def _new_sequence(self, job: Job) -> TargetSequence:
         # Features as run_with_hub keeps them: for an EAGLE hub, or while none has answered.
@@ -168,7 +174,7 @@ class Engine:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.pool.shutdown(wait=True)
+        await self.batcher.aclose()
 
 
 class Generation:
@@ -223,7 +229,7 @@ class Generation:
 
     async def _events(self) -> AsyncIterator[Delta]:
         m = self.engine.metrics
-        text = TextStream(lambda ids: models.decode_ids(self.engine.target, ids), self.job.stops)
+        text = TextStream(self.engine.target.decode, self.job.stops)
         last, seen, totals = self.arrived, 0, (0, 0, 0)
         while (item := await self.commits.get()) is not None:
             if isinstance(item, Exception):
@@ -246,7 +252,7 @@ class Generation:
     def _final(self, text: str, stopped: bool, tokens: int) -> Delta:
         seq = self.seq
         assert seq is not None
-        eos = bool(seq.generated[:tokens]) and seq.generated[tokens - 1] in seq.target.eos_token_ids
+        eos = bool(seq.generated[:tokens]) and seq.generated[tokens - 1] in seq.info.eos_token_ids
         finish = "stop" if stopped or eos else "length"
         self.answered = True
         stats = seq.stats

@@ -35,11 +35,12 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from edge import openai_api as api
+from edge.backends.base import VerifierBackend
 from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
 from edge.generation import Delta, Engine, Generation, Job, NewSequence, ServeConfig
 from edge.metrics import TargetMetrics
 from edge.openai_api import ApiError
-from starsd import curve_client, models, protocol, transport
+from starsd import curve_client, protocol, transport
 
 log = logging.getLogger("edge.serve")
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -80,7 +81,7 @@ class Server:
     """What the routes share: the model, the engine, the metrics, the policy."""
 
     config: ServerConfig
-    target: models.LoadedModel
+    target: VerifierBackend
     engine: Engine
     metrics: TargetMetrics
     name: str
@@ -121,10 +122,10 @@ class Server:
     async def respond(self, request: Request, body: api.BaseRequest, prompt: list[int],
                       chat: bool) -> Response:  # fmt: skip
         """Validate the rest, admit (or 429), then stream or collect the generation."""
-        vocab = self.target.vocab_size
+        vocab = self.target.info.vocab_size
         if not all(0 <= t < vocab for t in prompt):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        limit = self.target.max_positions
+        limit = self.target.info.max_positions
         job = Job(tuple(prompt), api.sampling(body, self.defaults, None),
                   api.max_tokens(body, self.defaults.max_tokens, len(prompt), limit),
                   api.stops(body))  # fmt: skip
@@ -241,7 +242,7 @@ def create_app(server: Server) -> FastAPI:
         body = api.parse(api.CompletionRequest, await server.read_json(request))
         server.check_model(body.model)
         prompt = api.completion_prompt(body)
-        ids = prompt if isinstance(prompt, list) else models.encode_text(server.target, prompt)
+        ids = prompt if isinstance(prompt, list) else server.target.encode(prompt)
         return await server.respond(request, body, ids, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -249,14 +250,15 @@ def create_app(server: Server) -> FastAPI:
         server.authorize(request)
         body = api.parse(api.ChatRequest, await server.read_json(request))
         server.check_model(body.model)
-        if not models.has_chat_template(server.target):
+        render = getattr(server.target, "chat_prompt_ids", None)  # a backend may have none
+        if render is None or not server.target.has_chat_template():  # type: ignore[attr-defined]
             raise ApiError(400, f"model {server.name!r} has no chat template: use "
                                 "/v1/completions", "messages", "no_chat_template")  # fmt: skip
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         if not messages:
             raise ApiError(400, "messages must not be empty", "messages")
         try:
-            ids = models.chat_prompt_ids(server.target, messages)
+            ids = render(messages)
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages") from None
         return await server.respond(request, body, ids, chat=True)
@@ -278,13 +280,13 @@ class Serving:
 
 
 @contextlib.asynccontextmanager
-async def serving(config: ServerConfig, target: models.LoadedModel,
+async def serving(config: ServerConfig, target: VerifierBackend,
                   new_sequence: NewSequence) -> AsyncIterator[Serving]:  # fmt: skip
     """Connect to the hub (unless --standalone), serve HTTP on the running loop until the
     context exits (or a signal stops uvicorn), then cancel what is in flight and disconnect."""
     ctx = transport.new_context()
     client = None if config.standalone else _hub_client(ctx, config, target)
-    name = config.served_model_name or target.name
+    name = config.served_model_name or target.info.name
     metrics = TargetMetrics(name)
     engine = Engine(config, target, metrics, client, new_sequence)
     defaults = api.Defaults(config.max_new_tokens, config.temperature, config.top_k, config.top_p)
@@ -316,13 +318,14 @@ async def serving(config: ServerConfig, target: models.LoadedModel,
         ctx.term()
 
 
-def _hub_client(ctx: Any, config: ServerConfig, target: models.LoadedModel) -> HubClient:
-    info = TargetInfo(target.name, target.vocab_size, target.tokenizer_fingerprint,
-                      models.hidden_size(target))  # fmt: skip
+def _hub_client(ctx: Any, config: ServerConfig, target: VerifierBackend) -> HubClient:
+    model = target.info
+    info = TargetInfo(model.name, model.vocab_size, model.tokenizer_fingerprint,
+                      model.hidden_size)  # fmt: skip
     return HubClient(ctx, config.hub, info, config.curve)
 
 
-async def _serve_forever(config: ServerConfig, target: models.LoadedModel,
+async def _serve_forever(config: ServerConfig, target: VerifierBackend,
                          new_sequence: NewSequence) -> None:  # fmt: skip
     # uvicorn takes SIGINT / SIGTERM while it serves, then restores the handlers it found and
     # raises the signal again: with these, that second raise is a no-op and the summary is logged.
@@ -341,7 +344,7 @@ async def _serve_forever(config: ServerConfig, target: models.LoadedModel,
                  served["rejected"])  # fmt: skip
 
 
-def main(config: ServerConfig, target: models.LoadedModel, new_sequence: NewSequence) -> int:
+def main(config: ServerConfig, target: VerifierBackend, new_sequence: NewSequence) -> int:
     """``python -m edge.target --serve`` once the model is loaded; returns the exit code."""
     try:
         transport.run_loop(_serve_forever(config, target, new_sequence))

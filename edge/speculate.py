@@ -20,11 +20,11 @@ import asyncio
 import hashlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from edge.batcher import Batcher
 from edge.client import HubClient, HubError, HubUnavailable
 from edge.verifier import TargetSequence
 from starsd import protocol, sampling
@@ -62,10 +62,11 @@ class HubSession:
 
 
 async def generate_speculative(
-    client: HubClient, seq: TargetSequence, gamma: int, pool: ThreadPoolExecutor,
+    client: HubClient, seq: TargetSequence, gamma: int, batcher: Batcher,
     fallback: Fallback = Fallback(),
 ) -> TargetSequence:  # fmt: skip
-    """Decode ``seq`` to the end with the hub's help where it is available."""
+    """Decode ``seq`` (prefilled) to the end with the hub's help where it is available; every
+    forward goes through ``batcher``, batched with the target's other sequences."""
     hub_params = replace(seq.params, seed=draft_seed(seq.params.seed))
     session: HubSession | None = None
     closed_for_good = False  # CONTEXT_FULL: the hub cannot draft further for this sequence
@@ -81,30 +82,29 @@ async def generate_speculative(
                     continue
                 session = await _open(client, seq, hub_params, gamma, fallback)
             if session is None:
-                await standalone_step(seq, pool)
+                await standalone_step(seq, batcher)
                 continue
-            session, closed_for_good = await _round(client, seq, session, pool, fallback)
+            session, closed_for_good = await _round(client, seq, session, batcher, fallback)
     finally:
         if session is not None:
             await client.close_session(session.tag)
     return seq
 
 
-async def standalone_step(seq: TargetSequence, pool: ThreadPoolExecutor) -> None:
+async def standalone_step(seq: TargetSequence, batcher: Batcher) -> None:
     """One token from the target alone, off the event loop (the hub is late or gone)."""
-    await asyncio.get_running_loop().run_in_executor(pool, seq.step)
+    await batcher.step(seq)
     seq.stats.standalone_steps += 1
 
 
-async def decode_alone(seq: TargetSequence, tokens: int, pool: ThreadPoolExecutor) -> None:
+async def decode_alone(seq: TargetSequence, tokens: int, batcher: Batcher) -> None:
     """Up to ``tokens`` tokens from the target alone, as the hub asked (a proposal with
-    ``alone``); stops where the target alone stops (EOS, max_new_tokens). One executor call per
-    token, so this sequence's span does not hold up the others' verifications."""
-    loop = asyncio.get_running_loop()
+    ``alone``); stops where the target alone stops (EOS, max_new_tokens). One batched step per
+    token, so this sequence's span rides along with the others' verifications."""
     for _ in range(tokens):
         if seq.done:
             return
-        await loop.run_in_executor(pool, seq.step)
+        await batcher.step(seq)
         seq.stats.alone_steps += 1
 
 
@@ -129,13 +129,13 @@ async def _open(
 
 
 async def _round(
-    client: HubClient, seq: TargetSequence, session: HubSession, pool: ThreadPoolExecutor,
+    client: HubClient, seq: TargetSequence, session: HubSession, batcher: Batcher,
     fallback: Fallback,
 ) -> tuple[HubSession | None, bool]:  # fmt: skip
     """Handle the next message of ``session`` (or a standalone step if none is due in time)."""
     msg = await _next(session, fallback.deadline_s)
     if msg is None:
-        await standalone_step(seq, pool)
+        await standalone_step(seq, batcher)
         if time.monotonic() - session.asked_at > fallback.resync_s:
             log.info("session %s silent for %.1f s: re-opening", session.tag.hex()[:8],
                      fallback.resync_s)  # fmt: skip
@@ -147,7 +147,7 @@ async def _round(
     assert isinstance(msg, Proposal)
     if msg.seq != session.expected:
         return session, False  # a duplicate or a stale proposal: never applied twice
-    keep = await _answer(client, seq, session, msg, pool)
+    keep = await _answer(client, seq, session, msg, batcher)
     return (session if keep else None), False
 
 
@@ -179,7 +179,7 @@ async def _session_error(
 
 async def _answer(
     client: HubClient, seq: TargetSequence, session: HubSession, proposal: Proposal,
-    pool: ThreadPoolExecutor,
+    batcher: Batcher,
 ) -> bool:  # fmt: skip
     """Verify the proposal, or decode the ``alone`` tokens it asks for (or, if we decoded alone
     meanwhile, just catch the hub up).
@@ -190,10 +190,9 @@ async def _answer(
     if session.synced == seq.committed:
         if len(proposal.tokens) or proposal.alone <= 0:
             drafts, q = usable_draft(seq, proposal)
-            loop = asyncio.get_running_loop()
-            accepted, _ = await loop.run_in_executor(pool, seq.verify, drafts, q)
+            accepted, _ = await batcher.verify(seq, drafts, q)
         else:  # gamma 0: speculation does not pay now; the hub hears from us after the span
-            await decode_alone(seq, min(proposal.alone, protocol.MAX_APPENDED - 1), pool)
+            await decode_alone(seq, min(proposal.alone, protocol.MAX_APPENDED - 1), batcher)
     # Everything committed since the hub last heard from us, but the drafts it proposed: the
     # verify's own token, the tokens decoded alone (asked for, or past the deadline).
     appended = seq.generated[session.synced - len(seq.prompt) + accepted :]
@@ -213,8 +212,8 @@ async def _answer(
 def usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], torch.Tensor | None]:
     """Draft tokens worth verifying (never past max_new_tokens or the context) and dense q."""
     room = seq.max_new_tokens - len(seq.generated) - 1
-    if seq.target.max_positions is not None:
-        room = min(room, seq.target.max_positions - seq.committed)
+    if seq.info.max_positions is not None:
+        room = min(room, seq.info.max_positions - seq.committed)
     n = max(0, min(len(proposal.tokens), room))
     drafts = [int(t) for t in proposal.tokens[:n]]
     if seq.params.greedy or n == 0:
@@ -224,7 +223,7 @@ def usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], to
     q_probs = torch.from_numpy(proposal.q_probs[:n].astype("float32"))
     support = None if proposal.q_support is None else torch.from_numpy(
         proposal.q_support[:n].astype("int64"))  # fmt: skip
-    return drafts, sampling.dense_q(q_probs, support, seq.target.vocab_size)
+    return drafts, sampling.dense_q(q_probs, support, seq.info.vocab_size)
 
 
 def draft_seed(seed: int | None) -> int | None:

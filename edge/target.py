@@ -5,6 +5,7 @@
     python -m edge.target --standalone --prompt TEXT     # no hub: plain autoregressive decoding
     python -m edge.target --hub tcp://HOST:5555 --serve [--host 127.0.0.1] [--port 8000]
                                   # an OpenAI-compatible HTTP server (edge.serve), /metrics
+    ... [--backend torch|onnxruntime] [--max-batch 32]  # model runtime; rows per batched forward
 
 JSONL in: {"id": ..., "prompt": "...", "max_new_tokens": 32} (optional per line: "temperature",
 "top_k", "top_p", "seed" override the command line; valid ranges: protocol.SamplingParams); out:
@@ -12,7 +13,9 @@ JSONL in: {"id": ..., "prompt": "...", "max_new_tokens": 32} (optional per line:
 "mean_accepted", "standalone_steps", "alone_steps", "tokens_per_s", "latency_ms"}}. Each
 sequence verifies the hub's proposals in one target forward per round, or decodes the span the hub
 asks it to decode alone; its output is exactly what the target alone would produce (greedy: token
-for token).
+for token). The sequences in flight share that forward: whatever work is pending when the model
+thread is free runs as one ragged batch of up to --max-batch rows (edge/batcher.py), standalone
+steps (--standalone --concurrency K) too.
 """
 
 from __future__ import annotations
@@ -26,15 +29,18 @@ import logging
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edge.backends import BACKENDS, BackendUnavailable, load_backend
+from edge.backends.base import VerifierBackend
+from edge.batcher import Batcher, BatchStats
 from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
-from edge.speculate import Fallback, generate_speculative
+from edge.engine import Engine
+from edge.speculate import Fallback
 from edge.verifier import TargetSequence
 from starsd import curve_client, models, protocol, transport
 from starsd.protocol import SamplingParams
@@ -63,6 +69,8 @@ class TargetConfig:
     gamma: int = 0  # 0 = the hub's choice (per round under its --gamma auto)
     concurrency: int = 1
     standalone: bool = False
+    backend: str = BACKENDS[0]
+    max_batch: int = 32  # rows per batched forward
     device: str = "cpu"
     dtype: str = "float32"
     threads: int = 1
@@ -179,25 +187,23 @@ def _row_number(row: dict[str, Any], key: str, default: Any, kind: type) -> Any:
         raise ValueError(f"{key} {value!r} is out of range") from None
 
 
-def new_sequence(
-    target: models.LoadedModel, config: TargetConfig, request: Request, index: int,
-    collect_features: bool = False,
-) -> TargetSequence:  # fmt: skip
-    """A fresh sequence for ``request``; seeds differ per request but not per run.
-
-    ``collect_features`` keeps the target's features for an EAGLE hub (from the first position
-    on, so the sequence can be re-opened on a hub at any point).
-    """
+def new_sequence(backend: VerifierBackend, config: TargetConfig, request: Request, index: int,
+                 collect_features: bool = False) -> TargetSequence:  # fmt: skip
+    """A fresh sequence for ``request``, not prefilled yet (:meth:`Engine.run` batches that);
+    seeds differ per request but not per run. ``collect_features`` keeps the target's features
+    for an EAGLE hub (from the first position on, so the sequence can be re-opened on a hub at
+    any point): :meth:`Engine.collect_features` says when."""
     params = request.sampling or SamplingParams(
         config.temperature, config.top_k, config.top_p, config.seed + index
     )
-    prompt = list(request.prompt_ids or models.encode_text(target, request.prompt))
-    return TargetSequence(target, prompt, params, request.max_new_tokens, collect_features)
+    prompt = list(request.prompt_ids or backend.encode(request.prompt))
+    return TargetSequence(backend, prompt, params, request.max_new_tokens, collect_features,
+                          prefill=False)  # fmt: skip
 
 
-def to_result(target: models.LoadedModel, request: Request, seq: TargetSequence) -> Result:
+def to_result(backend: VerifierBackend, request: Request, seq: TargetSequence) -> Result:
     stats = seq.stats.as_dict(len(seq.generated))
-    text = models.decode_ids(target, seq.generated)
+    text = backend.decode(seq.generated)
     return Result(request.id, request.prompt, text, list(seq.generated), stats)
 
 
@@ -205,53 +211,59 @@ def to_result(target: models.LoadedModel, request: Request, seq: TargetSequence)
 
 
 async def run_with_hub(
-    config: TargetConfig, target: models.LoadedModel, requests: list[Request]
-) -> list[Result]:
-    """Connect, run every request with ``concurrency`` sequences in flight, disconnect."""
+    config: TargetConfig, backend: VerifierBackend, requests: list[Request],
+    stats: BatchStats | None = None,
+) -> list[Result]:  # fmt: skip
+    """Connect, run every request with ``concurrency`` sequences in flight, disconnect.
+    ``stats`` (if given) receives the batcher's figures."""
     ctx = transport.new_context()
-    info = TargetInfo(target.name, target.vocab_size, target.tokenizer_fingerprint,
-                      models.hidden_size(target))  # fmt: skip
-    client = HubClient(ctx, config.hub, info, config.curve)
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
-    limit = asyncio.Semaphore(config.concurrency)
-    bar = _progress(config, len(requests))
-
-    async def one(index: int, request: Request) -> Result:
-        async with limit:
-            # Features cost a little per forward: collected when the hub drafts from them, or
-            # while no hub has answered yet (an EAGLE hub may be the one that appears).
-            features = client.wants_features or not client.up
-            seq = new_sequence(target, config, request, index, collect_features=features)
-            await generate_speculative(client, seq, config.gamma, pool, config.fallback)
-            _log_sequence(request, seq)
-            bar.update(1)
-            return to_result(target, request, seq)
-
+    info = backend.info
+    client = HubClient(ctx, config.hub, TargetInfo(info.name, info.vocab_size,
+                       info.tokenizer_fingerprint, info.hidden_size), config.curve)  # fmt: skip
     try:
         try:
             await client.connect()
         except HubUnavailable as exc:  # decode alone; the client keeps trying to reach the hub
             log.warning("%s: starting without the hub", exc)
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+        return await _run_all(config, backend, requests, client, stats)
     finally:
-        bar.close()
         await client.aclose()
-        pool.shutdown()
         ctx.term()
 
 
-def run_standalone(
-    config: TargetConfig, target: models.LoadedModel, requests: list[Request]
-) -> list[Result]:
-    """The baseline over every request, one after another."""
-    results = []
-    with _progress(config, len(requests)) as bar:
-        for index, request in enumerate(requests):
-            seq = generate_standalone(new_sequence(target, config, request, index))
-            _log_sequence(request, seq)
-            results.append(to_result(target, request, seq))
-            bar.update(1)
-    return results
+async def run_standalone(
+    config: TargetConfig, backend: VerifierBackend, requests: list[Request],
+    stats: BatchStats | None = None,
+) -> list[Result]:  # fmt: skip
+    """The baseline: every request decoded by the target alone, ``concurrency`` at a time, their
+    steps batched."""
+    return await _run_all(config, backend, requests, None, stats)
+
+
+async def _run_all(config: TargetConfig, backend: VerifierBackend, requests: list[Request],
+                   client: HubClient | None, stats: BatchStats | None) -> list[Result]:  # fmt: skip
+    """Every request through one engine, ``concurrency`` sequences in flight."""
+    limit = asyncio.Semaphore(config.concurrency)
+    async with Batcher(backend, config.max_batch, stats=stats) as batcher:
+        engine = Engine(backend, batcher, client, config.gamma, config.fallback)
+        log.info("verifying with the %s backend, up to %d rows per forward, %d sequences in "
+                 "flight", getattr(backend, "name", type(backend).__name__), config.max_batch,
+                 config.concurrency)  # fmt: skip
+
+        bar = _progress(config, len(requests))
+
+        async def one(index: int, request: Request) -> Result:
+            async with limit:
+                seq = new_sequence(backend, config, request, index, engine.collect_features())
+                await engine.run(seq)
+                _log_sequence(request, seq)
+                bar.update(1)
+                return to_result(backend, request, seq)
+
+        try:
+            return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+        finally:
+            bar.close()
 
 
 def _progress(config: TargetConfig, total: int) -> Any:
@@ -268,13 +280,15 @@ def _log_sequence(request: Request, seq: TargetSequence) -> None:
              len(seq.generated), s["rounds"], s["mean_accepted"], s["tokens_per_s"])  # fmt: skip
 
 
-def _log_summary(results: list[Result], wall: float) -> None:
+def _log_summary(results: list[Result], wall: float, batches: BatchStats) -> None:
     tokens = sum(len(r.token_ids) for r in results)
     rounds = sum(int(r.stats["rounds"]) for r in results)
     accepted = sum(int(r.stats["accepted"]) for r in results)
-    log.info("done: %d sequences, %d tokens in %.2f s (%.1f tok/s), mean_accepted %.2f",
+    log.info("done: %d sequences, %d tokens in %.2f s (%.1f tok/s), mean_accepted %.2f, "
+             "%d forwards, mean rows per forward %.2f (max %d)",
              len(results), tokens, wall, tokens / max(wall, 1e-9),
-             accepted / rounds if rounds else 0.0)  # fmt: skip
+             accepted / rounds if rounds else 0.0, batches.forwards, batches.mean_rows,
+             batches.max_rows)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> TargetConfig:
@@ -297,6 +311,10 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                    help="0: the hub's choice (per round under --gamma auto); N: always N")
     p.add_argument("--concurrency", type=int, default=TargetConfig.concurrency)
     p.add_argument("--standalone", action="store_true", help="no hub: the baseline")
+    p.add_argument("--backend", default=TargetConfig.backend, choices=BACKENDS,
+                   help="model runtime (onnxruntime: an export made by python -m edge.export)")
+    p.add_argument("--max-batch", type=int, default=TargetConfig.max_batch,
+                   help="most sequences verified (or stepped) in one forward")
     p.add_argument("--device", default=TargetConfig.device)
     p.add_argument("--dtype", default=TargetConfig.dtype, choices=sorted(models.DTYPES))
     p.add_argument("--threads", type=int, default=TargetConfig.threads, help="torch threads")
@@ -316,6 +334,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
         p.error(exc.message)
     if config.concurrency < 1:
         p.error("--concurrency must be >= 1")
+    if config.max_batch < 1:
+        p.error("--max-batch must be >= 1")
     if config.serve:
         _check_serve(p, config)
     return config
@@ -363,19 +383,24 @@ def write_results(config: TargetConfig, results: list[Result]) -> None:
 
 
 def job_sequence(
-    target: models.LoadedModel, config: TargetConfig, job: Job, index: int, features: bool
+    backend: VerifierBackend, config: TargetConfig, job: Job, index: int, features: bool
 ) -> TargetSequence:
-    """The sequence of an HTTP request (edge.serve): built as a --prompts line's is."""
+    """The sequence of an HTTP request (edge.serve): built as a --prompts line's is (not
+    prefilled: the server's engine batches that)."""
     request = Request(None, "", job.max_tokens, job.params, prompt_ids=job.prompt_ids)
-    return new_sequence(target, config, request, index, features)
+    return new_sequence(backend, config, request, index, features)
 
 
 def _serve(config: TargetConfig) -> int:
     from edge import serve  # fastapi, uvicorn, prometheus_client: only for --serve
 
     torch.set_num_threads(config.threads)
-    target = models.load_causal_lm(config.model, config.device, config.dtype)
-    return serve.main(config, target, functools.partial(job_sequence, target, config))
+    try:
+        backend = load_backend(config.backend, config.model, config.device, config.dtype)
+    except (BackendUnavailable, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    return serve.main(config, backend, functools.partial(job_sequence, backend, config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,17 +416,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(config.threads)
-    target = models.load_causal_lm(config.model, config.device, config.dtype)
-    started = time.perf_counter()
     try:
-        if config.standalone:
-            results = run_standalone(config, target, requests)
-        else:
-            results = transport.run_loop(run_with_hub(config, target, requests))
+        backend = load_backend(config.backend, config.model, config.device, config.dtype)
+    except (BackendUnavailable, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    started, batches = time.perf_counter(), BatchStats()
+    run = run_standalone if config.standalone else run_with_hub
+    try:
+        results = transport.run_loop(run(config, backend, requests, batches))
     except (HubError, protocol.ProtocolError, curve_client.HandshakeError, ValueError) as exc:
         log.error("%s", exc)
         return 2
-    _log_summary(results, time.perf_counter() - started)
+    _log_summary(results, time.perf_counter() - started, batches)
     write_results(config, results)
     return 0
 

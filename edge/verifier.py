@@ -1,23 +1,32 @@
-"""Target-side state of one sequence (p side): verification, commit, KV rollback, stopping.
+"""Target-side state of sequences (p side): batched verification, commit, KV rollback, stopping.
 
-Invariant: the KV cache holds every committed token except the last one, ``last``, whose logits
-are computed by the next forward. Verification therefore feeds ``[last, d_1 .. d_gamma]`` in ONE
-target forward and reads gamma + 1 distributions from it.
+Invariant: a sequence's KV cache holds every committed token except the last one, ``last``, whose
+logits are computed by the next forward. Verification therefore feeds ``[last, d_1 .. d_gamma]``
+and reads gamma + 1 distributions; a standalone step feeds ``[last]``. Sequences never call the
+model themselves: :func:`prefill_batch`, :func:`step_batch` and :func:`verify_batch` run ONE
+backend forward for all their rows, then judge each row with its own generator
+(:mod:`starsd.sampling`, the one implementation of the lossless math), so a row's result does not
+depend on its batch mates. The result equals verifying each sequence alone (greedy: token for
+token, up to float rounding of the batched kernels).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from starsd import models, sampling
+from edge.backends.base import ModelInfo, RowOutput, VerifierBackend
+from starsd import sampling
+from starsd.batch import SequenceCache
 from starsd.protocol import SamplingParams
 from starsd.stats import latency_summary
+
+VerifyRow = tuple["TargetSequence", Sequence[int], "torch.Tensor | None"]  # (seq, drafts, q [g, V])
 
 
 @dataclass
@@ -59,15 +68,19 @@ class TargetSequence:
 
     def __init__(
         self,
-        target: models.LoadedModel,
+        backend: VerifierBackend,
         prompt: list[int],
         params: SamplingParams,
         max_new_tokens: int,
         collect_features: bool = False,
+        prefill: bool = True,
     ) -> None:
+        """``prefill`` False leaves the prompt unfed: batch it later with :func:`prefill_batch`
+        (a step or verify before that feeds it too, but an EAGLE hub needs its features first)."""
         if not prompt:
             raise ValueError("the prompt must have at least one token")
-        self.target = target
+        self.backend = backend
+        self.info: ModelInfo = backend.info
         self.prompt = list(prompt)
         self.params = params
         self.max_new_tokens = max_new_tokens
@@ -75,7 +88,7 @@ class TargetSequence:
         self.generated: list[int] = []
         self.done = max_new_tokens <= 0
         self.stats = SequenceStats()
-        self.cache: Any = models.new_cache(target)
+        self.cache: SequenceCache | None = SequenceCache()  # None once the sequence is done
         # EAGLE hubs draft from the target's features: one row per committed position but the
         # last (whose forward has not run yet), kept in float16 for the wire.
         self.collect_features = collect_features
@@ -83,10 +96,8 @@ class TargetSequence:
         # Called (in whichever thread commits) with each run of newly committed tokens: the
         # HTTP server (edge.serve) streams them as they land. None: nobody listens.
         self.on_commit: Callable[[list[int]], None] | None = None
-        if len(prompt) > 1:
-            _, features = self._forward(prompt[:-1])  # prefill all but the last token
-            self._keep_features(features, len(prompt) - 1)
-        self.stats.last_commit = time.perf_counter()  # latency counts decoding, not the prefill
+        if prefill:
+            prefill_batch(backend, [self])
 
     @property
     def last(self) -> int:
@@ -97,39 +108,57 @@ class TargetSequence:
         """Number of committed tokens (prompt + generated)."""
         return len(self.prompt) + len(self.generated)
 
+    @property
+    def cached(self) -> int:
+        """Positions in the KV cache (``committed - 1`` once prefilled)."""
+        return self.cache.length if self.cache is not None else 0
+
+    def uncached(self) -> list[int]:
+        """Committed tokens not in the cache yet (``[last]`` once prefilled)."""
+        return [*self.prompt, *self.generated][self.cached :]
+
     def step(self) -> int:
-        """Standalone decoding: one target forward, one token (the baseline)."""
-        self.stats.target_forwards += 1
-        logits, features = self._forward([self.last])  # [1, V], [1, H]
-        self._keep_features(features, 1)
-        token = sampling.next_token(logits[-1], self.params, self.generator)
-        self._commit([token])
-        return token
+        """Standalone decoding of this sequence alone: one forward, one token (the baseline)."""
+        return step_batch(self.backend, [self])[0]
 
     def verify(
         self, draft_tokens: list[int], q_probs: torch.Tensor | None
     ) -> tuple[int, list[int]]:
-        """Verify a proposal in one forward; commit the result.
+        """Verify one proposal alone; see :func:`verify_batch`."""
+        return verify_batch(self.backend, [(self, draft_tokens, q_probs)])[0]
 
-        ``q_probs`` is the draft distribution [gamma, V] (None when greedy). Returns (accepted,
-        appended): how many draft tokens were kept and the target's own token after them.
-        """
-        gamma = len(draft_tokens)
-        cached = self.committed - 1
+    def features(self, start: int, stop: int) -> np.ndarray:
+        """Features of positions ``start .. stop - 1`` as [n, H] float16 (collect_features)."""
+        rows = self.feature_rows[start:stop]
+        if len(rows) != stop - start:
+            raise ValueError(f"features {start}..{stop} not available ({len(self.feature_rows)})")
+        if not rows:
+            return np.zeros((0, self.info.hidden_size), dtype=np.float16)
+        return torch.stack(rows).numpy()
+
+    def _apply(self, drafts: Sequence[int], q_probs: torch.Tensor | None, out: RowOutput,
+               fed_before: int, is_round: bool) -> tuple[int, list[int]]:  # fmt: skip
+        """Judge a forward's row (``fed_before`` uncached tokens, then ``drafts``), keep the
+        accepted part of its cache and features, commit."""
+        assert self.cache is not None
+        gamma = len(drafts)
+        accepted, token = self._judge(list(drafts), q_probs, out.logits[-(gamma + 1) :])
+        keep = fed_before + accepted  # the uncached tokens and the accepted drafts
+        out.cache.crop(self.cache.length + keep)
+        self.cache = out.cache
+        self._keep_features(out.features, keep)
         self.stats.target_forwards += 1
-        logits, features = self._forward([self.last, *draft_tokens])  # [gamma + 1, V], [.., H]
-        accepted, token = self._judge(draft_tokens, q_probs, logits)
-        models.crop_cache(self.cache, cached + 1 + accepted)  # keep last + accepted drafts
-        self._keep_features(features, accepted + 1)
-        self.stats.rounds += 1
-        self.stats.proposed += gamma
-        self.stats.accepted += accepted
-        self._commit([*draft_tokens[:accepted], token])
+        if is_round:
+            self.stats.rounds += 1
+            self.stats.proposed += gamma
+            self.stats.accepted += accepted
+        self._commit([*drafts[:accepted], token])
         return accepted, [token]
 
     def _judge(
         self, draft_tokens: list[int], q_probs: torch.Tensor | None, p_logits: torch.Tensor
     ) -> tuple[int, int]:
+        """(accepted, next token) from p's logits [gamma + 1, V] at the verified positions."""
         drafts = torch.tensor(draft_tokens, dtype=torch.long)  # [gamma]
         if not draft_tokens:  # nothing to verify: the target's own next token
             return 0, sampling.next_token(p_logits[0], self.params, self.generator)
@@ -143,26 +172,10 @@ class TargetSequence:
         )
         return int(accepted[0]), int(token[0])
 
-    def features(self, start: int, stop: int) -> np.ndarray:
-        """Features of positions ``start .. stop - 1`` as [n, H] float16 (collect_features)."""
-        rows = self.feature_rows[start:stop]
-        if len(rows) != stop - start:
-            raise ValueError(f"features {start}..{stop} not available ({len(self.feature_rows)})")
-        if not rows:
-            return np.zeros((0, models.hidden_size(self.target)), dtype=np.float16)
-        return torch.stack(rows).numpy()
-
-    def _forward(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [n, V] and, with collect_features, features [n, H] float16 (else None)."""
-        if not self.collect_features:
-            return models.forward(self.target, token_ids, self.cache), None
-        logits, features = models.forward_with_features(self.target, token_ids, self.cache)
-        return logits, features.to(torch.float16)
-
     def _keep_features(self, features: torch.Tensor | None, n: int) -> None:
         """Keep the first ``n`` rows: the positions that stay committed."""
-        if features is not None:
-            self.feature_rows.extend(features[:n].unbind(0))
+        if features is not None and self.collect_features:
+            self.feature_rows.extend(features[:n].to(torch.float16).unbind(0))
 
     def _commit(self, tokens: list[int]) -> None:
         # Stop exactly where the target alone would: at the first EOS (kept) or the length limit.
@@ -170,7 +183,7 @@ class TargetSequence:
         start = len(self.generated)
         for token in tokens:
             self.generated.append(token)
-            if token in self.target.eos_token_ids or len(self.generated) >= self.max_new_tokens:
+            if token in self.info.eos_token_ids or len(self.generated) >= self.max_new_tokens:
                 self._finish()
                 break
         if self.on_commit is not None:
@@ -182,7 +195,89 @@ class TargetSequence:
         self.cache = None  # free the KV cache as soon as the sequence ends
 
 
+# ---------------------------------------------------------------------- batch operations
+
+
+def prefill_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> int:
+    """Feed every sequence's uncached prompt tokens but the last, in one forward (rows with
+    nothing to feed, such as one-token prompts, are skipped); returns the rows fed."""
+    _distinct(seqs)
+    rows = [s for s in seqs if not s.done and len(s.uncached()) > 1]
+    if rows:
+        outs = backend.forward([_cache(s) for s in rows], [s.uncached()[:-1] for s in rows],
+                               features=any(s.collect_features for s in rows))  # fmt: skip
+        for seq, out in zip(rows, outs, strict=True):
+            seq._keep_features(out.features, len(out.logits))
+            seq.cache = out.cache
+    for seq in seqs:
+        seq.stats.last_commit = time.perf_counter()  # latency counts decoding, not the prefill
+    return len(rows)
+
+
+def step_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> list[int]:
+    """One token for each sequence from the target alone, all in one forward."""
+    results = decode_batch(backend, [(s, (), None) for s in seqs], [False] * len(seqs))
+    return [appended[0] for _, appended in results]
+
+
+def verify_batch(backend: VerifierBackend,
+                 proposals: Sequence[VerifyRow]) -> list[tuple[int, list[int]]]:  # fmt: skip
+    """Verify each ``(seq, draft_tokens, q_probs)`` (q [gamma, V], None when greedy) and commit.
+
+    All rows go through ONE backend forward. Returns per row (accepted, appended): how many draft
+    tokens were kept and the target's own token after them. Raises ValueError (before any
+    forward) for a proposal that :func:`check_proposal` refuses.
+    """
+    return decode_batch(backend, proposals, [True] * len(proposals))
+
+
+def check_proposal(seq: TargetSequence, drafts: Sequence[int],
+                   q_probs: torch.Tensor | None) -> None:  # fmt: skip
+    """ValueError naming what is wrong with verifying ``drafts`` on ``seq`` (nothing if fine)."""
+    if seq.done or seq.cache is None:
+        raise ValueError("the sequence is finished")
+    if drafts and not fits_context(seq, len(drafts)):  # a step may run on (RoPE models do)
+        raise ValueError(f"{seq.committed} + {len(drafts)} positions exceed the target's "
+                         f"{seq.info.max_positions}")  # fmt: skip
+    if any(not 0 <= t < seq.info.vocab_size for t in drafts):
+        raise ValueError(f"a draft token is outside the vocabulary of {seq.info.vocab_size}")
+    if drafts and not seq.params.greedy:
+        shape = (len(drafts), seq.info.vocab_size)
+        if q_probs is None or tuple(q_probs.shape) != shape:
+            got = None if q_probs is None else tuple(q_probs.shape)
+            raise ValueError(f"a sampled proposal needs q probabilities {shape}, got {got}")
+
+
 def fits_context(seq: TargetSequence, gamma: int) -> bool:
     """Whether verifying ``gamma`` more tokens stays inside the target's position limit."""
-    limit = seq.target.max_positions
+    limit = seq.info.max_positions
     return limit is None or seq.committed + gamma <= limit
+
+
+def decode_batch(backend: VerifierBackend, proposals: Sequence[VerifyRow],
+                 rounds: Sequence[bool]) -> list[tuple[int, list[int]]]:  # fmt: skip
+    """Verifications and steps mixed: ONE forward of every row (its uncached tokens, then its
+    drafts), then each row judged alone with its own generator. ``rounds[i]`` says whether row
+    i counts as a verification round (False: a standalone step) in the sequence's stats."""
+    _distinct([seq for seq, _, _ in proposals])
+    for seq, drafts, q_probs in proposals:
+        check_proposal(seq, drafts, q_probs)
+    uncached = [seq.uncached() for seq, _, _ in proposals]
+    feeds = [[*u, *drafts] for u, (_, drafts, _) in zip(uncached, proposals, strict=True)]
+    features = any(seq.collect_features for seq, _, _ in proposals)
+    outs = backend.forward([_cache(seq) for seq, _, _ in proposals], feeds, features)
+    return [seq._apply(drafts, q, out, len(u), is_round)
+            for (seq, drafts, q), u, out, is_round
+            in zip(proposals, uncached, outs, rounds, strict=True)]  # fmt: skip
+
+
+def _cache(seq: TargetSequence) -> SequenceCache:
+    if seq.cache is None:
+        raise ValueError("the sequence is finished")
+    return seq.cache
+
+
+def _distinct(seqs: Sequence[TargetSequence]) -> None:
+    """A sequence twice in one batch would have both rows commit on one cache."""
+    if len({id(s) for s in seqs}) != len(seqs):
+        raise ValueError("a sequence appears twice in one batch")

@@ -25,11 +25,13 @@ from typing import Any
 import bench_assisted
 import bench_predraft
 import bench_scale
+import bench_verify
 import torch
 from bench_common import BenchConfig, hub_overhead, hub_stats, run_record
 from harness import PROMPTS as HARNESS_PROMPTS
 from harness import REPO, Processes, start_hub, start_hubs, stop
 
+from edge.backends.torch import TorchBackend
 from edge.client import TargetInfo
 from edge.verifier import TargetSequence
 from starsd import analytic, models, transport
@@ -49,8 +51,9 @@ def bench_standalone(target: models.LoadedModel, cfg: BenchConfig
     """The target alone; returns its record, the mean decode step (T_ar) and the generated ids
     per prompt (what every greedy mode must reproduce)."""
     tokens, seconds, lat, ids = 0, 0.0, [], []
+    backend = TorchBackend(target)
     for prompt in PROMPTS:
-        seq = TargetSequence(target, models.encode_text(target, prompt), SamplingParams(),
+        seq = TargetSequence(backend, models.encode_text(target, prompt), SamplingParams(),
                              cfg.max_new_tokens)  # fmt: skip
         started = time.perf_counter()
         while not seq.done:
@@ -75,10 +78,11 @@ def bench_centralized(target: models.LoadedModel, drafter: Proposer, cfg: BenchC
     tokens = rounds = accepted = 0
     draft_s = verify_s = 0.0
     lat: list[float] = []
+    backend = TorchBackend(target)
     started = time.perf_counter()
     for prompt in PROMPTS:
         ids = models.encode_text(target, prompt)
-        seq = TargetSequence(target, ids, SamplingParams(), cfg.max_new_tokens, eagle)
+        seq = TargetSequence(backend, ids, SamplingParams(), cfg.max_new_tokens, eagle)
         state = drafter.new_state(ids, SamplingParams(), cfg.gamma)
         job = DraftJob(b"", 0, state, 0, (), features=_features(seq, 0, eagle))
         while not seq.done:
@@ -251,6 +255,11 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
             lambda ep, n, tag, extra: bench_scale.emulated_run(cfg, procs, work, info, ep, n,
                                                                target_cpus, tag, extra),
             hub_cpus)  # fmt: skip
+    print("[main] batched verification: one target at --concurrency 8 vs 1, through a hub and "
+          "standalone, alternated ...", flush=True)  # fmt: skip
+    with phases("verify"):
+        verify = bench_verify.run(procs, work, cfg.target, cfg.draft, 1 if cfg.quick else 3,
+                                  cfg.max_new_tokens, cfg.gamma)  # fmt: skip
     base = standalone["system_tokens_per_s"]
     return {"runs": runs, "model_inputs": analytic.inputs_as_json(inputs), "hub_overhead": overhead,
             "service_curve_in_process": [{"batch": b, "ms": 1e3 * t} for b, t in curve],
@@ -259,6 +268,8 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
             "vs_hf_assisted": paired,
             # pre-draft hit rate and queue wait, with and without (scripts/bench_predraft.py)
             "predraft": predraft,
+            # one target at --concurrency 8 vs 1, hub and standalone (scripts/bench_verify.py)
+            "batched_verification": verify,
             "phase_s": phases.seconds,
             "eagle": {"draft_ms_per_round": 1e3 * measured_eagle["draft_s"],
                       "llm_draft_ms_per_round": 1e3 * measured["draft_s"],

@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -202,6 +201,8 @@ async def legit_tokens_per_s(endpoint: str, target: LoadedModel, prompts: list[l
                              n_tokens: int) -> tuple[float, list[list[int]], int]:  # fmt: skip
     """A legitimate target speculating ``prompts`` at once: (tokens/s, outputs, standalone
     steps)."""
+    from edge.backends.torch import TorchBackend
+    from edge.batcher import Batcher
     from edge.client import HubClient, TargetInfo
     from edge.speculate import generate_speculative
     from edge.verifier import TargetSequence
@@ -209,16 +210,17 @@ async def legit_tokens_per_s(endpoint: str, target: LoadedModel, prompts: list[l
 
     ctx = transport.new_context()
     info = TargetInfo("legit", target.vocab_size, target.tokenizer_fingerprint)
-    client, pool = HubClient(ctx, endpoint, info), ThreadPoolExecutor(1)
-    seqs = [TargetSequence(target, p, protocol.SamplingParams(), n_tokens) for p in prompts]
+    backend = TorchBackend(target)
+    client, batcher = HubClient(ctx, endpoint, info), Batcher(backend)
+    seqs = [TargetSequence(backend, p, protocol.SamplingParams(), n_tokens) for p in prompts]
     try:
         await client.connect()
         started = time.perf_counter()
-        await asyncio.gather(*(generate_speculative(client, s, 4, pool) for s in seqs))
+        await asyncio.gather(*(generate_speculative(client, s, 4, batcher) for s in seqs))
         wall = time.perf_counter() - started
     finally:
         await client.aclose()
-        pool.shutdown()
+        await batcher.aclose()
         ctx.term()
     outputs = [s.generated for s in seqs]
     return sum(map(len, outputs)) / wall, outputs, sum(s.stats.standalone_steps for s in seqs)

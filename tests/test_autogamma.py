@@ -11,7 +11,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,8 @@ from conftest import PROMPT, RawTarget
 from test_eagle import eagle_state, write_head
 from test_hub import _greedy_reference
 
+from edge.backends.torch import TorchBackend
+from edge.batcher import Batcher
 from edge.client import HubClient, TargetInfo
 from edge.speculate import generate_speculative
 from edge.target import generate_standalone
@@ -88,10 +89,11 @@ async def _decode(
     client = HubClient(ctx, endpoint, TargetInfo("t", target.vocab_size,
                                                  target.tokenizer_fingerprint, width))  # fmt: skip
     await client.connect()
-    seqs = [TargetSequence(target, p, params, n, collect_features=features) for p in prompts]
+    backend = TorchBackend(target)
+    seqs = [TargetSequence(backend, p, params, n, collect_features=features) for p in prompts]
     try:
-        with ThreadPoolExecutor(1) as pool:  # gamma 0: the hub's choice
-            await asyncio.gather(*(generate_speculative(client, s, 0, pool) for s in seqs))
+        async with Batcher(backend) as batcher:  # gamma 0: the hub's choice
+            await asyncio.gather(*(generate_speculative(client, s, 0, batcher) for s in seqs))
     finally:
         await client.aclose()
         ctx.term()
@@ -173,7 +175,8 @@ async def test_sampled_spans_alone_use_the_targets_own_generator(
     spans = GammaPolicy(PolicyParams(max_gamma=16, start_gamma=1, alone_tokens=7, max_alone=7))
     async with serving(_config(llama_pair[1], gamma=0), spans) as hub:
         (seq,) = await _decode(hub.endpoint, llama_target, [PROMPTS[0]], 30, params)
-    alone = generate_standalone(TargetSequence(llama_target, PROMPTS[0], params, 30))
+    alone = generate_standalone(TargetSequence(TorchBackend(llama_target), PROMPTS[0], params,
+                                               30))  # fmt: skip
     assert seq.generated == alone.generated and seq.stats.alone_steps == 30
 
 

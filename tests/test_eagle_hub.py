@@ -13,6 +13,7 @@ from procs import HubProcess, TargetProcess, reference, write_prompts
 from scipy import stats
 from test_eagle import eagle_state, write_head
 
+from edge.backends.torch import TorchBackend
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
 from starsd import models, protocol, sampling
@@ -89,7 +90,7 @@ def _eagle_rounds(hub: hub_module.Hub, seq: TargetSequence, gamma: int) -> list[
             support = None if proposal.q_support is None else torch.from_numpy(
                 proposal.q_support.astype(np.int64))  # fmt: skip
             q = sampling.dense_q(torch.from_numpy(proposal.q_probs), support,
-                                 seq.target.vocab_size)  # fmt: skip
+                                 seq.info.vocab_size)  # fmt: skip
         accepted, appended = seq.verify([int(t) for t in proposal.tokens], q)
         accepted_per_round.append(accepted)
         job = DraftJob(b"t", job.seq + 1, state, accepted, tuple(appended),
@@ -116,9 +117,10 @@ def test_in_process_greedy_equals_target_alone(trained_hub: hub_module.Hub) -> N
     target = models.load_causal_lm(models.DEFAULT_TARGET_DIR)
     to_be = models.encode_text(target, "To be, or not to be")
     long = models.encode_text(target, "Now is the winter of our discontent made glorious summer")
+    backend = TorchBackend(target)
     rounds: list[int] = []
     for prompt in (to_be, to_be[:1], long):  # one token: nothing to extrapolate from at first
-        seq = TargetSequence(target, prompt, SamplingParams(), 40, collect_features=True)
+        seq = TargetSequence(backend, prompt, SamplingParams(), 40, collect_features=True)
         rounds += _eagle_rounds(trained_hub, seq, 4)
         ids = torch.tensor([prompt])
         out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -159,8 +161,9 @@ def test_sampling_through_eagle_matches_the_target_distribution(
     trials, prompt = 3000, [5, 17, 33, 8]
     expected = _two_token_law(llama_target, prompt, SamplingParams(1.0, top_k=20))
     counts: dict[tuple[int, int], int] = {}
+    backend = TorchBackend(llama_target)
     for trial in range(trials):
-        seq = TargetSequence(llama_target, prompt, SamplingParams(1.0, 20, 1.0, trial), 2,
+        seq = TargetSequence(backend, prompt, SamplingParams(1.0, 20, 1.0, trial), 2,
                              collect_features=True)  # fmt: skip
         _eagle_rounds(quiet_hub, seq, 3)
         key = (seq.generated[0], seq.generated[1])

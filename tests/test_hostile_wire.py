@@ -22,6 +22,8 @@ import zmq.asyncio
 from procs import HubProcess
 from test_hub import _greedy_reference
 
+from edge.backends.torch import TorchBackend
+from edge.batcher import Batcher
 from edge.client import HubClient, TargetInfo
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
@@ -92,14 +94,15 @@ async def _speculate(endpoint: str, target: models.LoadedModel,
     ctx = transport.new_context()
     info = TargetInfo("honest", target.vocab_size, target.tokenizer_fingerprint)
     client = HubClient(ctx, endpoint, info, curve)
-    pool = ThreadPoolExecutor(1)
-    seqs = [TargetSequence(target, p, SamplingParams(), 24) for p in PROMPTS]
+    backend = TorchBackend(target)
+    batcher = Batcher(backend)
+    seqs = [TargetSequence(backend, p, SamplingParams(), 24) for p in PROMPTS]
     try:
         await client.connect()
-        await asyncio.gather(*(generate_speculative(client, s, 4, pool) for s in seqs))
+        await asyncio.gather(*(generate_speculative(client, s, 4, batcher) for s in seqs))
     finally:
         await client.aclose()
-        pool.shutdown()
+        await batcher.aclose()
         ctx.term()
     assert sum(s.stats.proposed for s in seqs) > 0  # the hub drafted: not a local fallback
     return [s.generated for s in seqs]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgpack
@@ -12,6 +11,8 @@ import pytest
 import torch
 from conftest import PROMPT, RunningHub
 
+from edge.backends.torch import TorchBackend
+from edge.batcher import Batcher
 from edge.client import HubClient, HubError, TargetInfo
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
@@ -195,13 +196,14 @@ async def _speculate(endpoint: str, target: models.LoadedModel, prompts: list[li
     info = TargetInfo("t", target.vocab_size, target.tokenizer_fingerprint)
     client = HubClient(ctx, endpoint, info)
     await client.connect()
-    pool = ThreadPoolExecutor(1)
-    seqs = [TargetSequence(target, p, params, n) for p in prompts]
+    backend = TorchBackend(target)
+    batcher = Batcher(backend)
+    seqs = [TargetSequence(backend, p, params, n) for p in prompts]
     try:
-        await asyncio.gather(*(generate_speculative(client, s, 4, pool) for s in seqs))
+        await asyncio.gather(*(generate_speculative(client, s, 4, batcher) for s in seqs))
     finally:
         await client.aclose()
-        pool.shutdown()
+        await batcher.aclose()
         ctx.term()
     return seqs
 

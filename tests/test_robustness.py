@@ -7,7 +7,6 @@ import random
 import threading
 import time
 import tracemalloc
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_hub import _greedy_reference
 
+from edge.backends.torch import TorchBackend
+from edge.batcher import Batcher
 from edge.client import HubClient, TargetInfo
 from edge.speculate import Fallback, generate_speculative
 from edge.verifier import TargetSequence
@@ -90,10 +91,10 @@ async def test_client_ignores_duplicate_and_stale_proposals(
     info = TargetInfo("t", llama_target.vocab_size, llama_target.tokenizer_fingerprint)
     client = HubClient(ctx, running_hub.endpoint, info)
     await client.connect()
-    seq = TargetSequence(llama_target, PROMPT.tolist(), SamplingParams(), 30)
+    seq = TargetSequence(TorchBackend(llama_target), PROMPT.tolist(), SamplingParams(), 30)
     # A deadline no round here comes near: every round is a verification, none a fallback.
-    with ThreadPoolExecutor(1) as pool:
-        await generate_speculative(client, seq, 4, pool, Fallback(deadline_s=5.0))
+    async with Batcher(seq.backend) as batcher:
+        await generate_speculative(client, seq, 4, batcher, Fallback(deadline_s=5.0))
     await client.aclose()
     ctx.term()
     assert seq.generated == _greedy_reference(llama_target, PROMPT.tolist(), 30)

@@ -26,6 +26,7 @@ from procs import free_port, reference
 from prometheus_client.parser import text_string_to_metric_families
 
 from edge import serve
+from edge.backends.torch import TorchBackend
 from edge.target import TargetConfig, job_sequence, parse_args
 from starsd import models
 from starsd.hub import metrics as hub_metrics
@@ -41,8 +42,9 @@ async def _serving(target: models.LoadedModel, **options: object) -> AsyncIterat
     settings = {"model": "unused", "port": 0, "max_new_tokens": N, "standalone": True,
                 "deadline_ms": 5000.0, **options}  # fmt: skip
     config = TargetConfig(**settings)  # type: ignore[arg-type]
-    factory = functools.partial(job_sequence, target, config)
-    async with serve.serving(config, target, factory) as running:
+    backend = TorchBackend(target)
+    factory = functools.partial(job_sequence, backend, config)
+    async with serve.serving(config, backend, factory) as running:
         yield running
 
 

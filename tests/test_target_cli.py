@@ -105,6 +105,30 @@ def test_integral_floats_still_pass_for_integer_fields(tmp_path: Path) -> None:
     assert request.sampling.top_k == 50 and type(request.sampling.top_k) is int
 
 
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_max_batch_below_1_is_an_argparse_error(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches --max-batch 0 reaching the batcher (a ValueError traceback after loading)."""
+    with pytest.raises(SystemExit) as info:
+        target.parse_args(["--standalone", "--prompt", "x", "--max-batch", value])
+    assert info.value.code == 2
+    assert "--max-batch must be >= 1" in capsys.readouterr().err
+
+
+def test_an_unavailable_backend_exits_2_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches an ImportError traceback when the onnxruntime backend (or its runtime) is not
+    installed: one line naming the backend, exit 2."""
+    monkeypatch.setitem(sys.modules, "edge.backends.onnxruntime", None)
+    argv = ["--model", str(tmp_path / "no"), "--prompt", "x", "--standalone",
+            "--backend", "onnxruntime"]  # fmt: skip
+    assert target.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "python -m edge.target: error: the onnxruntime backend is not available" in err, err
+
+
 def test_the_progress_bar_shows_for_prompts_on_a_terminal_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

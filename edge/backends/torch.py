@@ -1,0 +1,81 @@
+"""The ``torch`` verifier backend: a transformers causal LM, CPU or CUDA (the default backend).
+
+Each forward gathers the rows' caches into one padded batch (:class:`starsd.batch.RaggedBatch`,
+the same code the hub drafts with), runs :func:`starsd.models.forward_batch` once and scatters
+every row's cache back out. The feed is padded on the right (batch.py explains why: a padding
+query that saw no key would turn into NaN and poison the real rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from edge.backends.base import ModelInfo, RowOutput
+from starsd import models
+from starsd.batch import RaggedBatch, SequenceCache
+
+
+class TorchBackend:
+    """A :class:`~edge.backends.base.VerifierBackend` over a loaded transformers model (p)."""
+
+    name = "torch"
+
+    def __init__(self, loaded: models.LoadedModel) -> None:
+        self.loaded = loaded
+        self.info = ModelInfo(loaded.name, loaded.vocab_size, models.hidden_size(loaded),
+                              loaded.tokenizer_fingerprint, loaded.eos_token_ids,
+                              loaded.max_positions)  # fmt: skip
+        self.kv_shapes = models.kv_shapes(loaded)  # (kv heads, head dim) per layer
+        self.dtype = next(loaded.model.parameters()).dtype
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "cpu",
+             dtype: str = "float32") -> TorchBackend:  # fmt: skip
+        """Load ``model_dir`` (a transformers causal-LM directory) for verification."""
+        return cls(models.load_causal_lm(model_dir, device, dtype))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt (the tokenizer's own special-token convention)."""
+        return models.encode_text(self.loaded, text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of generated ids, special tokens dropped."""
+        return models.decode_ids(self.loaded, list(ids))
+
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer carries a chat template (the HTTP server's chat route)."""
+        return models.has_chat_template(self.loaded)
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template (ValueError: none, or the
+        template refuses them)."""
+        return models.chat_prompt_ids(self.loaded, messages)
+
+    def forward(self, caches: Sequence[SequenceCache], feeds: Sequence[Sequence[int]],
+                features: bool = False) -> list[RowOutput]:  # fmt: skip
+        """One padded forward of every row; see :meth:`VerifierBackend.forward`."""
+        batch = RaggedBatch(tuple(c.length for c in caches), tuple(len(f) for f in feeds), 0)
+        buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.loaded.device)
+        logits, hidden = models.forward_batch(
+            self.loaded, batch.input_ids(feeds), batch.feed_positions(),
+            batch.mask(batch.capacity), buffers, hidden=features,
+        )  # [B, F, V], [B, F, H] or None  # fmt: skip
+        return [RowOutput(logits[row, :fed], _rows(hidden, row, fed),
+                          batch.scatter(buffers, row, 0))
+                for row, fed in enumerate(batch.fed)]  # fmt: skip
+
+    def close(self) -> None:
+        """Nothing to release beyond what the garbage collector frees."""
+
+
+def _rows(hidden: torch.Tensor | None, row: int, fed: int) -> torch.Tensor | None:
+    """Row ``row``'s first ``fed`` feature rows [fed, H] (None when not asked for)."""
+    return None if hidden is None else hidden[row, :fed]
+
+
+def load(model_dir: str | Path, device: str = "cpu", dtype: str = "float32") -> TorchBackend:
+    """The factory's entry point (see :func:`edge.backends.load_backend`)."""
+    return TorchBackend.load(model_dir, device, dtype)
