@@ -70,6 +70,7 @@ class TargetConfig:
     concurrency: int = 1
     standalone: bool = False
     backend: str = BACKENDS[0]
+    providers: str | None = None  # onnxruntime: e.g. "tensorrt,cuda,cpu" (default: that order)
     max_batch: int = 32  # rows per batched forward
     device: str = "cpu"
     dtype: str = "float32"
@@ -313,6 +314,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--standalone", action="store_true", help="no hub: the baseline")
     p.add_argument("--backend", default=TargetConfig.backend, choices=BACKENDS,
                    help="model runtime (onnxruntime: an export made by python -m edge.export)")
+    p.add_argument("--providers", help="onnxruntime: execution providers to try, in order "
+                                       "(default tensorrt,cuda,cpu: those this build has)")
     p.add_argument("--max-batch", type=int, default=TargetConfig.max_batch,
                    help="most sequences verified (or stepped) in one forward")
     p.add_argument("--device", default=TargetConfig.device)
@@ -336,6 +339,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
         p.error("--concurrency must be >= 1")
     if config.max_batch < 1:
         p.error("--max-batch must be >= 1")
+    if config.providers is not None and config.backend != "onnxruntime":
+        p.error("--providers applies to --backend onnxruntime only")
     if config.serve:
         _check_serve(p, config)
     return config
@@ -394,13 +399,21 @@ def job_sequence(
 def _serve(config: TargetConfig) -> int:
     from edge import serve  # fastapi, uvicorn, prometheus_client: only for --serve
 
-    torch.set_num_threads(config.threads)
-    try:
-        backend = load_backend(config.backend, config.model, config.device, config.dtype)
-    except (BackendUnavailable, ValueError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+    backend = open_backend(config)
+    if backend is None:
         return 2
     return serve.main(config, backend, functools.partial(job_sequence, backend, config))
+
+
+def open_backend(config: TargetConfig) -> VerifierBackend | None:
+    """The target's backend (torch threads set first), or None once the error is printed."""
+    torch.set_num_threads(config.threads)
+    options = {} if config.providers is None else {"providers": config.providers}
+    try:
+        return load_backend(config.backend, config.model, config.device, config.dtype, **options)
+    except (BackendUnavailable, ValueError) as exc:  # an unknown provider, a refused export...
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,11 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    torch.set_num_threads(config.threads)
-    try:
-        backend = load_backend(config.backend, config.model, config.device, config.dtype)
-    except (BackendUnavailable, ValueError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+    backend = open_backend(config)
+    if backend is None:
         return 2
     started, batches = time.perf_counter(), BatchStats()
     run = run_standalone if config.standalone else run_with_hub

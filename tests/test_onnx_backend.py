@@ -291,9 +291,14 @@ def test_provider_resolution() -> None:
         resolve_providers(["cuda", "cpu"], [CPU], known)
 
 
-def test_an_unavailable_provider_is_a_clear_error(exports: dict[str, tuple[Path, Path]]) -> None:
-    """Catches a backend that starts on another provider than the one explicitly asked for."""
+def test_an_unavailable_provider_is_a_clear_error(
+    exports: dict[str, tuple[Path, Path]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches a backend that starts on another provider than the one explicitly asked for,
+    and ``edge.target --providers`` not reaching the backend (or failing with a traceback)."""
     import onnxruntime as ort
+
+    from edge import target
 
     if TRT in ort.get_available_providers():
         pytest.skip("this onnxruntime build has TensorRT")
@@ -301,6 +306,10 @@ def test_an_unavailable_provider_is_a_clear_error(exports: dict[str, tuple[Path,
         load(exports["llama"][1], providers="tensorrt")
     with pytest.raises(BackendError, match="unknown execution provider"):
         load(exports["llama"][1], providers="warp-drive")
+    argv = ["--model", str(exports["llama"][1]), "--prompt", "x", "--standalone",
+            "--backend", "onnxruntime", "--providers", "tensorrt,cpu"]  # fmt: skip
+    assert target.main(argv) == 2
+    assert "error: " in (err := capsys.readouterr().err) and "TensorrtExecutionProvider" in err
 
 
 def test_trt_profile_covers_every_input(exports: dict[str, tuple[Path, Path]]) -> None:

@@ -116,6 +116,17 @@ def test_a_max_batch_below_1_is_an_argparse_error(
     assert "--max-batch must be >= 1" in capsys.readouterr().err
 
 
+def test_providers_without_the_onnxruntime_backend_is_an_argparse_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Catches --providers silently ignored by the torch backend (a user asking for TensorRT
+    would run on whatever torch picks)."""
+    with pytest.raises(SystemExit) as info:
+        target.parse_args(["--standalone", "--prompt", "x", "--providers", "cuda"])
+    assert info.value.code == 2
+    assert "--providers applies to --backend onnxruntime only" in capsys.readouterr().err
+
+
 def test_an_unavailable_backend_exits_2_naming_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
