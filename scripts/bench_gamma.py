@@ -36,7 +36,7 @@ MODES: tuple[int | str, ...] = (*FIXED_GAMMAS, AUTO)
 GAMMA_NS = (1, 2, 4, 8, 16, 32, 64, 128)
 QUICK_GAMMA_NS = (1, 8, 64)  # under-loaded, near the batched hub's saturation, far past it
 TARGET_RATIO = 0.95  # auto against the best fixed gamma, at every N
-QUICK_DURATION_S, QUICK_CALIBRATION_S = 3.0, 0.5  # each run of the comparison (--quick)
+QUICK_DURATION_S, QUICK_CALIBRATION_S = 2.0, 0.5  # each run of the comparison (--quick: < 3 min)
 # The acceptance switch: emulated targets, rates, when, how long, and the settling rule.
 SWITCH_TARGETS, SWITCH_ALPHAS, SWITCH_AT = 4, (0.9, 0.3), 0.5
 SWITCH_DURATION_S, SWITCH_CALIBRATION_S = (6.0, 2.0), (10.0, 2.0)  # (quick, full)
