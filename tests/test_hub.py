@@ -17,6 +17,7 @@ from edge.client import HubClient, HubError, TargetInfo
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
 from starsd import models, protocol, transport
+from starsd.params import TEMPERATURE_MIN
 from starsd.protocol import (
     Close,
     Draft,
@@ -152,7 +153,7 @@ async def test_sampling_outside_the_valid_range_is_refused_at_open(
         assert isinstance(reply, Error) and reply.code == ErrorCode.INVALID_ARGUMENT, reply
         assert reply.message.startswith(f"temperature {temperature!r} is out of range")
         assert "[0.01, 100]" in reply.message
-    lowest = protocol.TEMPERATURE_MIN
+    lowest = TEMPERATURE_MIN
     for ref, params in enumerate([SamplingParams(lowest, seed=1),
                                   SamplingParams(lowest, top_p=5e-324, seed=2)], 8):  # fmt: skip
         await target.send(Open(ref, PROMPT, params, 4))

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from starsd import protocol
+from starsd import params, protocol
 from starsd.protocol import (
     Close,
     Draft,
@@ -211,10 +211,10 @@ def test_sampling_params_semantics() -> None:
 # The valid ranges (SamplingParams' docstring), at and just outside each boundary. Temperatures
 # such as 1e-38, 1e-300 and 5e-324 once passed validate(): logits / temperature overflowed float32
 # (or divided by a float32 zero) and every draft failed on NaN probabilities (INTERNAL).
-_T_MIN, _T_MAX = protocol.TEMPERATURE_MIN, protocol.TEMPERATURE_MAX
+_T_MIN, _T_MAX = params.TEMPERATURE_MIN, params.TEMPERATURE_MAX
 ACCEPTED_SAMPLING = [
     SamplingParams(0.0), SamplingParams(-0.0), SamplingParams(_T_MIN), SamplingParams(_T_MAX),
-    SamplingParams(1.0, top_k=0), SamplingParams(1.0, top_k=protocol.TOP_K_MAX),
+    SamplingParams(1.0, top_k=0), SamplingParams(1.0, top_k=params.TOP_K_MAX),
     SamplingParams(1.0, top_p=5e-324), SamplingParams(1.0, top_p=1.0),
     SamplingParams(1.0, seed=None), SamplingParams(1.0, seed=0),
     SamplingParams(1.0, seed=(1 << 63) - 1),
@@ -222,7 +222,7 @@ ACCEPTED_SAMPLING = [
 REFUSED_SAMPLING = {
     "temperature": [1e-38, 1e-300, 5e-324, -5e-324, math.nextafter(_T_MIN, 0.0),
                     math.nextafter(_T_MAX, math.inf), -1.0, math.nan, math.inf, -math.inf],
-    "top_k": [-1, protocol.TOP_K_MAX + 1, 1 << 64, 2.0, True],
+    "top_k": [-1, params.TOP_K_MAX + 1, 1 << 64, 2.0, True],
     "top_p": [0.0, -0.0, -5e-324, math.nextafter(1.0, 2.0), math.nan, math.inf, -math.inf],
     "seed": [-1, 1 << 63, 1.0],
 }  # fmt: skip

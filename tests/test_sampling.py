@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from starsd import protocol, sampling
+from starsd import params, sampling
 from starsd.protocol import SamplingParams
 
 # ------------------------------------------------------------------ logits processing
@@ -53,10 +53,10 @@ def test_top_k_and_top_p_shrink_the_support() -> None:
 # the temperature in float32: a large |logit| / temperature overflowed to inf and the softmax gave
 # NaN (the drafter then failed every job). Now the row's max is subtracted first.
 EXTREME_PARAMS = [
-    SamplingParams(protocol.TEMPERATURE_MIN),
-    SamplingParams(protocol.TEMPERATURE_MIN, top_p=5e-324),  # the smallest accepted top_p
-    SamplingParams(protocol.TEMPERATURE_MIN, top_k=protocol.TOP_K_MAX, top_p=5e-324),
-    SamplingParams(protocol.TEMPERATURE_MAX),
+    SamplingParams(params.TEMPERATURE_MIN),
+    SamplingParams(params.TEMPERATURE_MIN, top_p=5e-324),  # the smallest accepted top_p
+    SamplingParams(params.TEMPERATURE_MIN, top_k=params.TOP_K_MAX, top_p=5e-324),
+    SamplingParams(params.TEMPERATURE_MAX),
     SamplingParams(1.0, top_p=5e-324),
 ]
 F32_MAX = torch.finfo(torch.float32).max
