@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -63,6 +64,30 @@ class HubUnavailable(HubError):
         super().__init__("UNAVAILABLE", message)
 
 
+MIN_SESSION_COST = 0.01  # busy fraction one session is assumed to cost an idle hub
+
+
+@dataclass(frozen=True)
+class HubLoad:
+    """A hub's load as it reported it (WELCOME, PONG), checked: a hub cannot skew placement
+    with negative counts or a busy fraction outside [0, 1]."""
+
+    sessions: int = 0
+    queue: int = 0
+    busy: float = 0.0
+
+    @classmethod
+    def of(cls, msg: protocol.Welcome | protocol.Pong) -> HubLoad:
+        busy = msg.busy if math.isfinite(msg.busy) else 1.0
+        return cls(max(0, msg.sessions), max(0, msg.queue), min(1.0, max(0.0, busy)))
+
+    def spare(self, placed: int) -> float:
+        """Sessions the hub could still take before its drafting thread is busy all the time,
+        less its queued jobs and ``placed`` sessions not yet in this report (may be < 0)."""
+        cost = max(self.busy / self.sessions if self.sessions else 0.0, MIN_SESSION_COST)
+        return (1.0 - self.busy) / cost - self.queue - placed
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """What the target tells the hub in HELLO."""
@@ -81,10 +106,13 @@ class HubClient:
         curve: curve_client.CurveClientConfig | None = None,
     ) -> None:  # fmt: skip
         self.sock, self._watch = transport.dealer(ctx, endpoint, curve)
+        self.endpoint = endpoint
         self.info = info
         self.welcome: Welcome | None = None  # None while the hub is down or not yet reached
+        self.announced: Welcome | None = None  # the last WELCOME, kept while the hub is down
         self.generation = 0
         self.last_heard = time.monotonic()
+        self.down_since = 0.0  # when mark_down last found it down (time.monotonic)
         self.heartbeat_s = 1.0
         self._refs = itertools.count(1)
         self._waiting: dict[int | bytes, asyncio.Queue[protocol.Message]] = {}
@@ -92,6 +120,30 @@ class HubClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Future[None]] = set()
         self._stats: dict[int, asyncio.Future[Stats]] = {}
+        # Placement (edge.hubs): the hub's last load report, sessions placed here by this
+        # target in all, and how many of them that report (or the PING it answered) saw.
+        self.load = HubLoad()
+        self.placed = 0
+        self._placed_reported = 0
+        self._placed_at_ping = 0
+        self._full_until = 0.0  # RESOURCE_EXHAUSTED: place no session here until then
+
+    @property
+    def placed_since_report(self) -> int:
+        """Sessions placed on this hub that its last load report does not count yet."""
+        return self.placed - self._placed_reported
+
+    def _reported(self, load: HubLoad, placed_seen: int) -> None:
+        self.load = load
+        self._placed_reported = placed_seen
+
+    def mark_full(self) -> None:
+        """The hub refused a session for lack of room: place none here for two heartbeats."""
+        self._full_until = time.monotonic() + 2 * self.heartbeat_s
+
+    def full(self) -> bool:
+        """Whether the hub recently refused a session for lack of room."""
+        return time.monotonic() < self._full_until
 
     @property
     def up(self) -> bool:
@@ -130,12 +182,14 @@ class HubClient:
         return reply
 
     def _welcomed(self, welcome: Welcome) -> None:
-        self.welcome = welcome
+        self.welcome = self.announced = welcome
         self.generation += 1
         self.heartbeat_s = welcome.heartbeat_ms / 1000
         self.last_heard = time.monotonic()
-        log.info("connected to hub %s (draft %s, gamma %d, generation %d)", welcome.epoch.hex(),
-                 welcome.model, welcome.default_gamma, self.generation)  # fmt: skip
+        self._reported(HubLoad.of(welcome), self.placed)
+        log.info("connected to hub %s at %s (draft %s, gamma %d, generation %d, %d sessions)",
+                 welcome.epoch.hex(), self.endpoint, welcome.model, welcome.default_gamma,
+                 self.generation, welcome.sessions)  # fmt: skip
 
     def _check_welcome(self, welcome: Welcome) -> None:
         # The hub checks too; checking here as well means a lax or old hub cannot slip through.
@@ -150,11 +204,18 @@ class HubClient:
                      feature_width=info.feature_width)  # fmt: skip
 
     def mark_down(self, reason: str) -> None:
-        """Stop using the hub until a new WELCOME; sessions of this generation are void."""
-        if self.welcome is not None:
-            log.warning("hub unavailable (%s): decoding without proposals until it is back",
-                        reason)  # fmt: skip
+        """Stop using the hub until a new WELCOME; sessions of this generation are void, and
+        each waiting sequence hears so at once (it re-opens elsewhere or decodes alone)."""
+        if self.welcome is None:
+            return
+        log.warning("hub %s unavailable (%s): its sessions move to another hub or decode alone",
+                    self.endpoint, reason)  # fmt: skip
         self.welcome = None
+        self.down_since = time.monotonic()
+        lost = f"hub {self.endpoint} is down: {reason}"
+        for key, inbox in self._waiting.items():
+            tag, ref = (key, None) if isinstance(key, bytes) else (None, key)
+            inbox.put_nowait(Error(ErrorCode.NOT_WELCOMED, lost, ref=ref, tag=tag))
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -163,6 +224,7 @@ class HubClient:
             if self.up and silent > protocol.LIVENESS_INTERVALS * self.heartbeat_s:
                 self.mark_down(f"nothing heard for {silent:.1f} s")
             if self.up:
+                self._placed_at_ping = self.placed
                 await transport.send(self.sock, Ping(next(self._refs)))
             else:
                 await self._try_rejoin()
@@ -286,7 +348,7 @@ class HubClient:
             case Ping(nonce=nonce):
                 self._send_soon(Pong(nonce))
             case Pong():
-                pass
+                self._reported(HubLoad.of(msg), self._placed_at_ping)
             case _:
                 log.warning("unexpected %s from hub: %s", type(msg).__name__, msg)
 

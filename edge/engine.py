@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from edge.backends.base import VerifierBackend
 from edge.batcher import Batcher
-from edge.client import HubClient
+from edge.hubs import HubPool
 from edge.speculate import Fallback, generate_speculative
 from edge.verifier import TargetSequence
 from starsd.protocol import SamplingParams
@@ -25,7 +25,7 @@ log = logging.getLogger("edge.engine")
 class Engine:
     """A target's sequences over one batcher, with the hub's proposals when ``client`` is set."""
 
-    def __init__(self, backend: VerifierBackend, batcher: Batcher, client: HubClient | None = None,
+    def __init__(self, backend: VerifierBackend, batcher: Batcher, client: HubPool | None = None,
                  gamma: int = 0, fallback: Fallback | None = None) -> None:  # fmt: skip
         self.backend = backend
         self.batcher = batcher
@@ -38,7 +38,7 @@ class Engine:
         while no hub has answered yet (an EAGLE hub may be the one that appears). They cost a
         little per forward."""
         client = self.client
-        return client is not None and (client.wants_features or not client.up)
+        return client is not None and client.keeps_features()
 
     def new_sequence(self, prompt: list[int], params: SamplingParams,
                      max_new_tokens: int) -> TargetSequence:  # fmt: skip

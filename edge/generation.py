@@ -27,7 +27,8 @@ from typing import Any, Protocol
 from edge import speculate
 from edge.backends.base import VerifierBackend
 from edge.batcher import Batcher
-from edge.client import HubClient, HubError
+from edge.client import HubError
+from edge.hubs import HubPool
 from edge.metrics import TargetMetrics
 from edge.speculate import generate_speculative, standalone_step
 from edge.textstream import TextStream
@@ -87,7 +88,7 @@ class Engine:
     """Admission, the decoding slots and the worker thread shared by every request."""
 
     def __init__(self, config: ServeConfig, target: VerifierBackend, metrics: TargetMetrics,
-                 client: HubClient | None, new_sequence: NewSequence) -> None:  # fmt: skip
+                 client: HubPool | None, new_sequence: NewSequence) -> None:  # fmt: skip
         self.config = config
         self.target = target
         self.new_sequence = new_sequence
@@ -161,7 +162,7 @@ class Engine:
 
     def _new_sequence(self, job: Job) -> TargetSequence:
         # Features as run_with_hub keeps them: for an EAGLE hub, or while none has answered.
-        features = self.client is not None and (self.client.wants_features or not self.client.up)
+        features = self.client is not None and self.client.keeps_features()
         return self.new_sequence(job, next(self.index), features)
 
     def publish(self) -> None:

@@ -36,8 +36,9 @@ from starlette.exceptions import HTTPException
 
 from edge import openai_api as api
 from edge.backends.base import VerifierBackend
-from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
+from edge.client import HubError, HubUnavailable, TargetInfo
 from edge.generation import Delta, Engine, Generation, Job, NewSequence, ServeConfig
+from edge.hubs import HubPool
 from edge.metrics import TargetMetrics
 from edge.openai_api import ApiError
 from starsd import curve_client, protocol, transport
@@ -53,7 +54,9 @@ class ServerConfig(ServeConfig, Protocol):
     @property
     def hub(self) -> str: ...
     @property
-    def curve(self) -> curve_client.CurveClientConfig | None: ...
+    def hubs(self) -> tuple[str, ...]: ...
+    @property
+    def curves(self) -> list[curve_client.CurveClientConfig | None]: ...
     @property
     def standalone(self) -> bool: ...
     @property
@@ -285,7 +288,7 @@ async def serving(config: ServerConfig, target: VerifierBackend,
     """Connect to the hub (unless --standalone), serve HTTP on the running loop until the
     context exits (or a signal stops uvicorn), then cancel what is in flight and disconnect."""
     ctx = transport.new_context()
-    client = None if config.standalone else _hub_client(ctx, config, target)
+    client = None if config.standalone else _hub_pool(ctx, config, target)
     name = config.served_model_name or target.info.name
     metrics = TargetMetrics(name)
     engine = Engine(config, target, metrics, client, new_sequence)
@@ -318,11 +321,11 @@ async def serving(config: ServerConfig, target: VerifierBackend,
         ctx.term()
 
 
-def _hub_client(ctx: Any, config: ServerConfig, target: VerifierBackend) -> HubClient:
+def _hub_pool(ctx: Any, config: ServerConfig, target: VerifierBackend) -> HubPool:
     model = target.info
     info = TargetInfo(model.name, model.vocab_size, model.tokenizer_fingerprint,
                       model.hidden_size)  # fmt: skip
-    return HubClient(ctx, config.hub, info, config.curve)
+    return HubPool.create(ctx, config.hubs, info, config.curves)
 
 
 async def _serve_forever(config: ServerConfig, target: VerifierBackend,

@@ -7,11 +7,13 @@ proposal arrives. A proposal that arrives after such steps is not verified (it d
 older prefix); the next DRAFT instead carries the tokens committed meanwhile (accepted = 0) so the
 hub catches up. A proposal with no tokens and ``alone`` = K (the hub found that speculation does
 not pay for this sequence now) is answered the same way after K tokens decoded alone. A session
-silent for ``resync_s``, refused (UNKNOWN_SESSION, FORBIDDEN, ...) or from an older hub
-generation (the hub restarted) is dropped and re-opened from the committed tokens. Proposals
-and errors are matched on (tag, seq): duplicates and stale ones are ignored, so nothing is
-applied twice. Greedy output therefore equals the target alone token for token, and sampled
-output keeps the target's distribution, whatever the hub does.
+silent for ``resync_s``, refused (UNKNOWN_SESSION, FORBIDDEN, ...), on a hub that went down
+(lease, SHUTTING_DOWN) or from an older hub generation (the hub restarted) is dropped and
+re-opened from the committed tokens, on the live hub with the most room (edge.hubs): with
+several hubs a sequence fails over without losing a token, and decodes alone only while none is
+live. Proposals and errors are matched on (tag, seq): duplicates and stale ones are ignored, so
+nothing is applied twice. Greedy output therefore equals the target alone token for token, and
+sampled output keeps the target's distribution, whatever the hubs do.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from edge.batcher import Batcher
 from edge.client import HubClient, HubError, HubUnavailable
+from edge.hubs import HubPool
 from edge.verifier import TargetSequence
 from starsd import protocol, sampling
 from starsd.protocol import Error, ErrorCode, Proposal
@@ -53,42 +56,68 @@ class Fallback:
 class HubSession:
     """The target's view of one hub session."""
 
+    client: HubClient  # the hub it lives on
     tag: bytes
     inbox: asyncio.Queue[protocol.Message]
     generation: int
     synced: int  # committed tokens the hub knows about
     expected: int = 0  # seq of the proposal we wait for
     asked_at: float = field(default_factory=time.monotonic)
+    replaces: HubClient | None = None  # the lost hub this session took over from, until it speaks
 
 
 async def generate_speculative(
-    client: HubClient, seq: TargetSequence, gamma: int, batcher: Batcher,
+    hubs: HubPool | HubClient, seq: TargetSequence, gamma: int, batcher: Batcher,
     fallback: Fallback = Fallback(),
 ) -> TargetSequence:  # fmt: skip
-    """Decode ``seq`` (prefilled) to the end with the hub's help where it is available; every
+    """Decode ``seq`` (prefilled) to the end with the hubs' help where one is available; every
     forward goes through ``batcher``, batched with the target's other sequences."""
+    pool = hubs if isinstance(hubs, HubPool) else HubPool([hubs])
     hub_params = replace(seq.params, seed=draft_seed(seq.params.seed))
     session: HubSession | None = None
     closed_for_good = False  # CONTEXT_FULL: the hub cannot draft further for this sequence
+    lost: HubClient | None = None  # the hub whose session this sequence lost, until it moves
     try:
         while not seq.done:
-            if session is not None and session.generation != client.generation:
-                session = None  # the hub restarted: that session no longer exists
-            if session is None and client.up and not closed_for_good:
-                if client.wants_features and not seq.collect_features:
-                    log.info("the hub drafts from features this sequence did not keep: "
-                             "finishing it alone")  # fmt: skip
-                    closed_for_good = True
-                    continue
-                session = await _open(client, seq, hub_params, gamma, fallback)
+            if session is not None and not _alive(session):
+                lost = session.client if not session.client.up else lost
+                session = None  # its hub went down or restarted: that session is gone
+            if session is None and not closed_for_good:
+                session = await _place(pool, seq, hub_params, gamma, fallback)
+                if session is not None and lost is not None:
+                    session.replaces = lost if session.client is not lost else None
+                    lost = None
             if session is None:
                 await standalone_step(seq, batcher)
                 continue
-            session, closed_for_good = await _round(client, seq, session, batcher, fallback)
+            current = session
+            session, closed_for_good = await _round(seq, session, batcher, fallback)
+            if session is None and not current.client.up:
+                lost = current.client
     finally:
         if session is not None:
-            await client.close_session(session.tag)
+            await session.client.close_session(session.tag)
     return seq
+
+
+def _alive(session: HubSession) -> bool:
+    client = session.client
+    return client.up and client.generation == session.generation
+
+
+async def _place(
+    pool: HubPool, seq: TargetSequence, params: protocol.SamplingParams, gamma: int,
+    fallback: Fallback,
+) -> HubSession | None:  # fmt: skip
+    """A session on the live hub with the most room, or None (decode a token alone). A hub
+    that drafts from target features (EAGLE) is no place for a sequence that did not keep them."""
+    client = pool.pick(with_features=seq.collect_features)
+    if client is None:
+        return None
+    session = await _open(client, seq, params, gamma, fallback)
+    if session is None:
+        client.placed -= 1  # not placed after all
+    return session
 
 
 async def standalone_step(seq: TargetSequence, batcher: Batcher) -> None:
@@ -123,16 +152,18 @@ async def _open(
     except HubError as exc:
         if exc.code not in _REOPEN:
             raise
-        log.info("hub did not open a session (%s); decoding alone for now", exc)
+        if exc.code == ErrorCode.RESOURCE_EXHAUSTED:
+            client.mark_full()
+        log.info("hub %s did not open a session (%s); a token alone", client.endpoint, exc)
         return None
-    return HubSession(tag, inbox, generation, synced=len(tokens))
+    return HubSession(client, tag, inbox, generation, synced=len(tokens))
 
 
 async def _round(
-    client: HubClient, seq: TargetSequence, session: HubSession, batcher: Batcher,
-    fallback: Fallback,
-) -> tuple[HubSession | None, bool]:  # fmt: skip
+    seq: TargetSequence, session: HubSession, batcher: Batcher, fallback: Fallback
+) -> tuple[HubSession | None, bool]:
     """Handle the next message of ``session`` (or a standalone step if none is due in time)."""
+    client = session.client
     msg = await _next(session, fallback.deadline_s)
     if msg is None:
         await standalone_step(seq, batcher)
@@ -147,8 +178,23 @@ async def _round(
     assert isinstance(msg, Proposal)
     if msg.seq != session.expected:
         return session, False  # a duplicate or a stale proposal: never applied twice
+    if session.replaces is not None:
+        _resumed(seq, session)
     keep = await _answer(client, seq, session, msg, batcher)
     return (session if keep else None), False
+
+
+def _resumed(seq: TargetSequence, session: HubSession) -> None:
+    """The first proposal from the hub a sequence moved to after its hub was lost."""
+    lost, session.replaces = session.replaces, None
+    assert lost is not None
+    stats = seq.stats
+    took = time.monotonic() - lost.down_since
+    stats.moves += 1
+    stats.resume_s = max(stats.resume_s, took)
+    stats.standalone_at_resume = stats.standalone_steps
+    log.info("sequence moved from hub %s to %s: speculating again %.3f s after the loss was "
+             "detected", lost.endpoint, session.client.endpoint, took)  # fmt: skip
 
 
 async def _next(session: HubSession, deadline_s: float) -> protocol.Message | None:

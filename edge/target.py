@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import zmq.asyncio
 
 from edge.backends import BACKENDS, BackendUnavailable, load_backend
 from edge.backends.base import VerifierBackend
 from edge.batcher import Batcher, BatchStats
-from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
+from edge.client import HubError, HubUnavailable, TargetInfo
 from edge.engine import Engine
+from edge.hubs import HubPool, parse_hub_endpoints
 from edge.speculate import Fallback
 from edge.verifier import TargetSequence
 from starsd import curve_client, models, protocol, transport
@@ -89,10 +91,27 @@ class TargetConfig:
     served_model_name: str | None = None  # default: the model directory's name
 
     @property
+    def hubs(self) -> tuple[str, ...]:
+        """The hub endpoints of ``--hub`` (ValueError on a bad list; parse_args checks it)."""
+        return parse_hub_endpoints(self.hub)
+
+    @property
     def curve(self) -> curve_client.CurveClientConfig | None:
+        """The CURVE settings for the first hub (see :attr:`curves`)."""
+        return self.curves[0]
+
+    @property
+    def curves(self) -> list[curve_client.CurveClientConfig | None]:
+        """CURVE settings per hub: ``--hub-public-key`` names one key for every hub or one per
+        hub, in ``--hub``'s order."""
+        hubs = len(self.hubs)
         if self.curve_secret is None or self.hub_public_key is None:
-            return None
-        return curve_client.CurveClientConfig(Path(self.curve_secret), Path(self.hub_public_key))
+            return [None] * hubs
+        keys = [key.strip() for key in self.hub_public_key.split(",")]
+        if len(keys) not in (1, hubs):
+            raise ValueError(f"--hub-public-key names {len(keys)} keys for {hubs} hubs")
+        secret, keys = Path(self.curve_secret), keys * (hubs // len(keys))
+        return [curve_client.CurveClientConfig(secret, Path(key)) for key in keys]
 
     @property
     def fallback(self) -> Fallback:
@@ -218,18 +237,24 @@ async def run_with_hub(
     """Connect, run every request with ``concurrency`` sequences in flight, disconnect.
     ``stats`` (if given) receives the batcher's figures."""
     ctx = transport.new_context()
-    info = backend.info
-    client = HubClient(ctx, config.hub, TargetInfo(info.name, info.vocab_size,
-                       info.tokenizer_fingerprint, info.hidden_size), config.curve)  # fmt: skip
+    hubs = hub_pool(ctx, config, backend)
     try:
         try:
-            await client.connect()
-        except HubUnavailable as exc:  # decode alone; the client keeps trying to reach the hub
-            log.warning("%s: starting without the hub", exc)
-        return await _run_all(config, backend, requests, client, stats)
+            await hubs.connect()
+        except HubUnavailable as exc:  # decode alone; the clients keep trying to reach the hubs
+            log.warning("%s: starting without a hub", exc)
+        return await _run_all(config, backend, requests, hubs, stats)
     finally:
-        await client.aclose()
+        await hubs.aclose()
         ctx.term()
+
+
+def hub_pool(ctx: zmq.asyncio.Context, config: TargetConfig, backend: VerifierBackend) -> HubPool:
+    """One client per ``--hub`` endpoint (not connected yet)."""
+    model = backend.info
+    info = TargetInfo(model.name, model.vocab_size, model.tokenizer_fingerprint,
+                      model.hidden_size)  # fmt: skip
+    return HubPool.create(ctx, config.hubs, info, config.curves)
 
 
 async def run_standalone(
@@ -242,7 +267,7 @@ async def run_standalone(
 
 
 async def _run_all(config: TargetConfig, backend: VerifierBackend, requests: list[Request],
-                   client: HubClient | None, stats: BatchStats | None) -> list[Result]:  # fmt: skip
+                   client: HubPool | None, stats: BatchStats | None) -> list[Result]:  # fmt: skip
     """Every request through one engine, ``concurrency`` sequences in flight."""
     limit = asyncio.Semaphore(config.concurrency)
     async with Batcher(backend, config.max_batch, stats=stats) as batcher:
@@ -295,7 +320,9 @@ def _log_summary(results: list[Result], wall: float, batches: BatchStats) -> Non
 def parse_args(argv: list[str] | None = None) -> TargetConfig:
     """argparse -> TargetConfig."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    p.add_argument("--hub", default=TargetConfig.hub, help="hub endpoint, tcp://HOST:PORT")
+    p.add_argument("--hub", default=TargetConfig.hub,
+                   help="hub endpoint(s), tcp://HOST:PORT[,tcp://HOST2:PORT...]: each new "
+                        "sequence goes to the live hub with the most room")
     p.add_argument("--model", default=str(models.DEFAULT_TARGET_DIR), help="target model dir")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt; its completion is printed")
@@ -326,11 +353,17 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--resync-s", type=float, default=TargetConfig.resync_s,
                    help="re-open a hub session silent for this long")
     p.add_argument("--curve-secret", help="this target's key pair (starsd keys generate)")
-    p.add_argument("--hub-public-key", help="the hub's public .key file")
+    p.add_argument("--hub-public-key",
+                   help="the hub's public .key file (several hubs: one for all, or one per "
+                        "hub, comma separated)")
     _serve_arguments(p)
     config = TargetConfig(**vars(p.parse_args(argv)))
     if (config.curve_secret is None) != (config.hub_public_key is None):
         p.error("--curve-secret and --hub-public-key go together")
+    try:
+        config.curves  # noqa: B018 (checks the hub list and its keys)
+    except ValueError as exc:
+        p.error(f"--hub: {exc}")
     try:
         SamplingParams(config.temperature, config.top_k, config.top_p, config.seed).validate()
     except protocol.ProtocolError as exc:

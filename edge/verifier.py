@@ -39,6 +39,9 @@ class SequenceStats:
     target_forwards: int = 0
     standalone_steps: int = 0  # tokens decoded without the hub (fallback)
     alone_steps: int = 0  # tokens decoded alone because the hub asked (gamma 0)
+    moves: int = 0  # times it resumed speculating on another hub after its hub was lost
+    resume_s: float = 0.0  # longest: hub loss detected -> first proposal verified on the next
+    standalone_at_resume: int = 0  # standalone_steps when it last resumed
     started: float = field(default_factory=time.perf_counter)
     finished: float = 0.0
     last_commit: float = field(default_factory=time.perf_counter)
@@ -58,6 +61,11 @@ class SequenceStats:
             "mean_accepted": round(self.accepted / self.rounds, 4) if self.rounds else 0.0,
             "standalone_steps": self.standalone_steps,
             "alone_steps": self.alone_steps,
+            "moves": self.moves,
+            "resume_s": round(self.resume_s, 4),
+            # standalone steps after speculation resumed on another hub (0: none past detection)
+            "standalone_after_move": self.standalone_steps - self.standalone_at_resume
+            if self.moves else 0,
             "tokens_per_s": round(generated / wall, 3),
             "latency_ms": {k: round(v, 4) for k, v in latency.items()},
         }

@@ -105,6 +105,11 @@ class Welcome:
     version: int = PROTOCOL_VERSION
     feature_width: int = 0  # > 0: the hub drafts from target features (EAGLE) of this width
     feature_dtype: str = "float16"  # and expects them in this dtype
+    # The hub's load when it answered (WELCOME and PONG from a hub; targets place new sessions
+    # on the hub with the most spare capacity, edge.hubs). Sparse: absent from older hubs.
+    sessions: int = field(default=0, metadata={"sparse": True})  # open sessions, all targets
+    queue: int = field(default=0, metadata={"sparse": True})  # draft jobs waiting in Q_in
+    busy: float = field(default=0.0, metadata={"sparse": True})  # drafting busy fraction, last ~2 s
 
 
 @dataclass(frozen=True)
@@ -190,11 +195,16 @@ class Ping:
 
 @dataclass(frozen=True)
 class Pong:
-    """Answer to PING; from a hub it carries the hub's epoch."""
+    """Answer to PING; from a hub it carries the hub's epoch and load."""
 
     TYPE: ClassVar[int] = 9
     nonce: int
     epoch: bytes = b""
+    # The hub's load when it answered (WELCOME and PONG from a hub; targets place new sessions
+    # on the hub with the most spare capacity, edge.hubs). Sparse: absent from older hubs.
+    sessions: int = field(default=0, metadata={"sparse": True})  # open sessions, all targets
+    queue: int = field(default=0, metadata={"sparse": True})  # draft jobs waiting in Q_in
+    busy: float = field(default=0.0, metadata={"sparse": True})  # drafting busy fraction, last ~2 s
 
 
 @dataclass(frozen=True)

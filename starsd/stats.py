@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -77,6 +78,28 @@ class TargetStats:
 
 
 @dataclass
+class BusyWindow:
+    """A busy fraction over about the last ``window_s`` seconds, from samples of a running busy
+    total taken when asked (at most four per window, so no timer is needed; a long silence
+    between asks widens the window to the silence)."""
+
+    window_s: float = 2.0
+    samples: deque[tuple[float, float]] = field(default_factory=deque)  # (time, busy total)
+
+    def fraction(self, now: float, busy_total: float) -> float:
+        """Busy seconds per wall second since the oldest sample still in the window, in [0, 1]."""
+        samples = self.samples
+        if not samples or now - samples[-1][0] >= self.window_s / 4:
+            samples.append((now, busy_total))
+        while len(samples) > 1 and now - samples[1][0] >= self.window_s:
+            samples.popleft()
+        since, busy_then = samples[0]
+        if now <= since:
+            return 0.0
+        return min(1.0, max(0.0, (busy_total - busy_then) / (now - since)))
+
+
+@dataclass
 class HubStats:
     """Hub-wide figures: drafting busy time against wall time since start, and S(B).
 
@@ -100,6 +123,7 @@ class HubStats:
     predraft_s: float = 0.0  # the drafting thread's time pre-drafting, while no job waited
     by_size: dict[int, tuple[int, float]] = field(default_factory=dict)  # B -> (count, seconds)
     errors_by_code: dict[str, int] = field(default_factory=dict)  # ERROR replies sent, by code
+    recent: BusyWindow = field(default_factory=BusyWindow)  # busy fraction, last ~2 s
 
     def record_batch(self, jobs: int, busy_s: float, busy_cpu_s: float) -> None:
         """A batch was drafted and delivered in ``busy_s`` wall (``busy_cpu_s`` CPU) seconds."""
@@ -129,6 +153,10 @@ class HubStats:
         """Busy seconds so far, counting the batch in progress up to now."""
         started = self.batch_started
         return self.busy_s + (time.perf_counter() - started if started is not None else 0.0)
+
+    def busy_recent(self) -> float:
+        """The drafting thread's busy fraction over about the last two seconds."""
+        return self.recent.fraction(time.perf_counter(), self.busy_now())
 
     def busy_fraction(self) -> float:
         wall = time.perf_counter() - self.started

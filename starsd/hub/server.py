@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import numpy as np
 import zmq.asyncio
@@ -65,6 +65,14 @@ log = logging.getLogger("starsd.hub")
 _STAMPED = (Opened, Proposal, Pong, Error, Stats)  # hub replies that carry the epoch
 FLOOD_BATCH = 128  # messages over budget in one read turn that mean a flood
 MAX_PAUSE_S = 0.02  # longest pause of the reading after such a turn (a legit message waits it)
+
+
+class LoadReport(TypedDict):
+    """The load fields of WELCOME and PONG (see :meth:`Hub.load`)."""
+
+    sessions: int
+    queue: int
+    busy: float
 
 
 def limits_of(config: HubConfig, welcome: Welcome, max_positions: int | None) -> Limits:
@@ -329,7 +337,7 @@ class Hub:
             case Hello():
                 return [self._hello(routing_id, user_id, msg)]
             case Ping(nonce=nonce):
-                return [Pong(nonce)]
+                return [Pong(nonce, **self.load())]
             case StatsRequest(nonce=nonce):
                 return [self.snapshot(nonce)]
             case Pong():
@@ -373,7 +381,13 @@ class Hub:
         name = self._peer_name(routing_id, user_id, msg.model)
         if self.table.welcome(routing_id, key, name) is not None:
             log.info("target %s connected (vocab %d)", name, msg.vocab_size)
-        return self.welcome
+        return dataclasses.replace(self.welcome, **self.load())
+
+    def load(self) -> LoadReport:
+        """The load reported in WELCOME and PONG (lock held): open sessions, jobs in Q_in and
+        the drafting thread's recent busy fraction; targets place new sessions by it."""
+        return {"sessions": len(self.table.sessions), "queue": len(self.q_in),
+                "busy": round(self.stats.busy_recent(), 3)}  # fmt: skip
 
     def _peer_name(self, routing_id: bytes, user_id: str | None, model: str) -> str:
         key_name = self.allow.name_of(user_id) if self.allow is not None else None

@@ -1,0 +1,157 @@
+"""Several hubs for one target: which ones serve it, and where each new session goes.
+
+The hubs are independent (no shared state, as the ZeroMQ guide's Paranoid Pirate workers): the
+target keeps one :class:`~edge.client.HubClient` per hub, each with its own liveness, and the
+pool only chooses. A hub that refuses this target (another vocabulary or tokenizer, a key it does
+not allow) is logged and left out; the others serve. A hub that cannot be reached yet stays in
+the pool: its client keeps saying HELLO and the hub gets sessions once it answers.
+
+Placement: a new session goes to the live hub with the most spare capacity, estimated from the
+load each hub reports in WELCOME and in every PONG (:class:`edge.client.HubLoad`): with
+``busy`` the drafting thread's recent busy fraction and ``sessions`` its open sessions, one
+session costs about
+``busy / sessions`` of the hub, so the hub has room for ``(1 - busy) / cost`` more, less the
+jobs already waiting in its queue and the sessions this target placed there since that report
+(placed but not yet counted: without them a burst of opens would all land on one hub). Ties go
+to the hub with fewer sessions. Sessions never move while their hub is healthy: only a hub that
+dies, drains or restarts sends its sessions back here for a new place (edge.speculate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import zmq.asyncio
+
+from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
+from starsd import curve_client, protocol
+
+log = logging.getLogger("edge.hubs")
+
+_ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):\d{1,5}|ipc://\S+)$")
+
+
+def parse_hub_endpoints(text: str) -> tuple[str, ...]:
+    """The hub endpoints of ``--hub`` (comma separated); ValueError names what is wrong:
+    an empty entry, a duplicate, or an endpoint that is not ZeroMQ ``tcp://HOST:PORT`` or
+    ``ipc://PATH``."""
+    entries = [entry.strip() for entry in text.split(",")]
+    for entry in entries:
+        _check_endpoint(entry)
+    duplicates = sorted({entry for entry in entries if entries.count(entry) > 1})
+    if duplicates:
+        raise ValueError(f"hub endpoint listed twice: {', '.join(duplicates)}")
+    return tuple(entries)
+
+
+def _check_endpoint(entry: str) -> None:
+    if not entry:
+        raise ValueError("empty entry in the hub list (a stray comma?)")
+    if not _ENDPOINT.match(entry):
+        raise ValueError(f"{entry!r} is not a ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
+    port = entry.rsplit(":", 1)[1]
+    if entry.startswith("tcp://") and not 1 <= int(port) <= 65535:
+        raise ValueError(f"{entry!r}: port {port} is out of range")
+
+
+class HubPool:
+    """The hubs one target uses; :meth:`pick` places each new session.
+
+    Owned by the event loop (like the clients): no lock.
+    """
+
+    def __init__(self, clients: list[HubClient]) -> None:
+        self.clients = list(clients)
+
+    @classmethod
+    def create(
+        cls, ctx: zmq.asyncio.Context, endpoints: tuple[str, ...], info: TargetInfo,
+        curves: list[curve_client.CurveClientConfig | None] | None = None,
+    ) -> HubPool:  # fmt: skip
+        """One client (DEALER socket) per hub endpoint, with that hub's CURVE settings if any;
+        nothing is sent before :meth:`connect`."""
+        curves = curves or [None] * len(endpoints)
+        pairs = zip(endpoints, curves, strict=True)
+        return cls([HubClient(ctx, endpoint, info, curve) for endpoint, curve in pairs])
+
+    @property
+    def up(self) -> bool:
+        """Whether at least one hub serves this target now."""
+        return any(client.up for client in self.clients)
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether some hub drafts from target features (EAGLE): sequences then keep them, so
+        that they can move to such a hub."""
+        return any(client.wants_features for client in self.clients)
+
+    def keeps_features(self) -> bool:
+        """Whether new sequences should keep their target features: some hub drafts from them
+        (EAGLE), or a hub has never said what it drafts from (it may be such a hub)."""
+        return any(c.announced is None or c.announced.feature_width > 0 for c in self.clients)
+
+    def live(self) -> list[HubClient]:
+        """The hubs serving this target now."""
+        return [client for client in self.clients if client.up]
+
+    async def connect(self, timeout: float = 10.0) -> int:
+        """HELLO to every hub at once; returns how many welcomed this target.
+
+        A hub that refuses is logged with its reason and dropped; a hub that does not answer in
+        time stays (its client keeps trying). Raises the refusal if every hub refused, and
+        HubUnavailable if none answered (the target then decodes alone until one does).
+        """
+        results = await asyncio.gather(*(c.connect(timeout) for c in self.clients),
+                                       return_exceptions=True)  # fmt: skip
+        refusals = [await self._refused(c, r) for c, r in zip(self.clients, results, strict=True)]
+        self.clients = [c for c, refused in zip(self.clients, refusals, strict=True)
+                        if refused is None]  # fmt: skip
+        if not self.clients:
+            raise next(r for r in refusals if r is not None)
+        welcomed = sum(isinstance(r, protocol.Welcome) for r in results)
+        if not welcomed:
+            raise HubUnavailable(f"none of {len(self.clients)} hubs answered in {timeout:.1f} s")
+        log.info("%d of %d hubs serve this target", welcomed, len(results))
+        return welcomed
+
+    async def _refused(self, client: HubClient, result: object) -> BaseException | None:
+        """The refusal in ``result`` (the client is then closed), or None: welcomed or late."""
+        if isinstance(result, HubUnavailable):
+            log.warning("hub %s: %s; it gets sessions once it answers", client.endpoint, result)
+            return None
+        refusal = _refusal(result)
+        if refusal is not None:
+            log.error("hub %s refused this target, not using it: %s", client.endpoint, refusal)
+            await client.aclose()
+        return refusal
+
+    def pick(self, with_features: bool = True) -> HubClient | None:
+        """The live hub with the most spare capacity (see the module docstring), counted as
+        holding one more session of ours from now on; None when no hub is live. Without
+        ``with_features`` (the sequence keeps no target features) EAGLE hubs are left out."""
+        live = [client for client in self.live() if not client.full()
+                and (with_features or not client.wants_features)]  # fmt: skip
+        if not live:
+            return None
+        best = max(live, key=_room)
+        best.placed += 1
+        return best
+
+    async def aclose(self) -> None:
+        """Close every hub's client."""
+        await asyncio.gather(*(client.aclose() for client in self.clients))
+
+
+def _room(client: HubClient) -> tuple[float, int]:
+    load, placed = client.load, client.placed_since_report
+    return load.spare(placed), -(load.sessions + placed)
+
+
+def _refusal(result: object) -> BaseException | None:
+    if isinstance(result, (HubError, curve_client.HandshakeError)):
+        return result
+    if isinstance(result, BaseException):
+        raise result  # a bug, not a hub's answer
+    return None
