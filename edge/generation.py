@@ -167,8 +167,8 @@ class Engine:
 
     def publish(self) -> None:
         """Refresh the running / waiting / hub gauges."""
-        up = self.client is not None and self.client.up
-        self.metrics.set_queue(self.running, self.waiting, up)
+        live = len(self.client.live()) if self.client is not None else 0
+        self.metrics.set_queue(self.running, self.waiting, live)
 
     async def aclose(self) -> None:
         """Cancel what is still decoding (closing its hub sessions), stop the worker."""

@@ -60,7 +60,8 @@ class TargetMetrics:
                              ["model_name"], registry=r)  # fmt: skip
         self.waiting = Gauge("starsd:num_requests_waiting", "Requests admitted, not yet decoding",
                              ["model_name"], registry=r)  # fmt: skip
-        self.hub_up = Gauge("starsd:hub_connected", "1 while the hub serves this target",
+        self.hub_up = Gauge("starsd:hub_connected", "Hubs serving this target now (--hub A,B: "
+                            "up to 2)",
                             ["model_name"], registry=r)  # fmt: skip
         self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token",
                                     _LATENCY_BUCKETS)  # fmt: skip
@@ -108,10 +109,10 @@ class TargetMetrics:
         """A request's decoding was cancelled before its end (client gone, stop string)."""
         self.success.labels(**self.labels, finished_reason="abort").inc()
 
-    def set_queue(self, running: int, waiting: int, hub_up: bool) -> None:
+    def set_queue(self, running: int, waiting: int, hubs_up: int) -> None:
         self.running.labels(**self.labels).set(running)
         self.waiting.labels(**self.labels).set(waiting)
-        self.hub_up.labels(**self.labels).set(int(hub_up))
+        self.hub_up.labels(**self.labels).set(hubs_up)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -224,8 +224,10 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        client = server.engine.client
-        return {"status": "ok", "hub": client is not None and client.up}
+        hubs = server.engine.client
+        clients = hubs.clients if hubs is not None else []
+        return {"status": "ok", "hub": hubs is not None and hubs.up,
+                "hubs": {c.endpoint: c.up for c in clients}}  # fmt: skip
 
     @app.get("/metrics")
     async def metrics() -> Response:

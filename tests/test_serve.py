@@ -106,13 +106,33 @@ async def test_with_the_hub_down_requests_still_complete_exactly(
     text, n = _expected(llama_pair[0], llama_target, prompt)
     async with _serving(llama_target, standalone=False, hub=dead) as running, \
             httpx.AsyncClient(timeout=60) as h:  # fmt: skip
-        assert (await h.get(f"{running.url}/health")).json() == {"status": "ok", "hub": False}
+        health = (await h.get(f"{running.url}/health")).json()
+        assert health == {"status": "ok", "hub": False, "hubs": {dead: False}}
         r = await h.post(f"{running.url}/v1/completions",
                          json={"model": "llama-target", "prompt": prompt, "max_tokens": N})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
         assert r.json()["usage"]["completion_tokens"] == n
         assert r.json()["starsd"]["rounds"] == 0
 
+
+
+async def test_serve_with_a_dead_and_a_live_hub_speculates_on_the_live_one(
+    running_hub, llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
+) -> None:
+    """Bugs caught: --serve that takes only the first of several hubs, or that waits on (or
+    decodes alone because of) the unreachable one."""
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    prompt = PROMPTS[0]
+    text, _ = _expected(llama_pair[0], llama_target, prompt)
+    hubs = f"{dead},{running_hub.endpoint}"
+    async with _serving(llama_target, standalone=False, hub=hubs) as running, \
+            httpx.AsyncClient(timeout=60) as h:  # fmt: skip
+        health = (await h.get(f"{running.url}/health")).json()
+        assert health["hubs"] == {dead: False, running_hub.endpoint: True}
+        r = await h.post(f"{running.url}/v1/completions",
+                         json={"model": "llama-target", "prompt": prompt, "max_tokens": N})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+        assert r.json()["starsd"]["rounds"] > 0
 
 async def test_chat_through_the_openai_client_streamed_and_not(
     chat_target: tuple[Path, models.LoadedModel],
