@@ -10,13 +10,14 @@ import functools
 import hashlib
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from starsd.batch import LayerBuffer
+from starsd.batch import LayerBuffer, RowBatch
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +152,28 @@ def use_decode_attention(loaded: LoadedModel) -> bool:
     if loaded.device.type != "cpu" or loaded.model.config._attn_implementation != "sdpa":
         return False
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(DECODE_ATTENTION, _decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the masks sdpa gets
+    AttentionMaskInterface.register(DECODE_ATTENTION, _decode_mask)  # the masks sdpa gets
     loaded.model.set_attn_implementation(DECODE_ATTENTION)
     return True
+
+
+# The RowBatch of the forward running on this thread (forward_rows), if any: the attention and
+# mask functions below read it (transformers gives them no handle on the cache).
+_ROWS = threading.local()
+
+
+def _rows_now() -> RowBatch | None:
+    return getattr(_ROWS, "batch", None)
+
+
+def _decode_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """sdpa's masks, or none at all under forward_rows (each row builds its own)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _rows_now() is not None else sdpa_mask(*args, **kwargs)
 
 
 def _decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -164,9 +181,14 @@ def _decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                       scaling: float | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
     """transformers' attention interface: query [B, h, 1, d], key/value [B, kv_h, T, d], mask
-    [B, 1, 1, >= T] (bool: True attends; float: added) or None -> ([B, 1, h, d], None)."""
+    [B, 1, 1, >= T] (bool: True attends; float: added) or None -> ([B, 1, h, d], None). Under
+    :func:`forward_rows` every row attends over its own cache instead (key/value unused)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    rows = _rows_now()
+    if rows is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return rows.attend(module.layer_idx, query, scale), None
     special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
     if query.shape[2] != 1 or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -249,6 +271,68 @@ def forward_explicit(
                 cache=cache, use_cache=True, output_hidden_states=True)  # fmt: skip
     present = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     return (out.logits, out.hidden_states[-1], *present)
+
+
+def uses_row_attention(loaded: LoadedModel) -> bool:
+    """Whether :func:`forward_rows` can run this model (its attention is ours: see
+    :func:`use_decode_attention`)."""
+    return bool(loaded.model.config._attn_implementation == DECODE_ATTENTION)
+
+
+def forward_rows(
+    loaded: LoadedModel, batch: RowBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+    hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """One forward in which every row attends over its own cache (:class:`RowBatch`).
+
+    Args:
+        input_ids: [B, F] long, each row's feed then padding; positions: [B, F] position ids;
+            hidden: also return the features EAGLE drafts from.
+
+    Returns:
+        logits [B, F, V] float32 on CPU, and features [B, F, H] when ``hidden``.
+    """
+    cache = _rows_cache(batch)
+    _ROWS.batch = batch
+    try:
+        with torch.inference_mode():
+            out = loaded.model(input_ids=input_ids.to(loaded.device), cache=cache,
+                               use_cache=True, position_ids=positions.to(loaded.device),
+                               output_hidden_states=hidden)  # fmt: skip
+    finally:
+        _ROWS.batch = None
+    features = out.hidden_states[-1].float().cpu() if hidden else None
+    return out.logits.float().cpu(), features
+
+
+def _rows_cache(batch: RowBatch) -> Any:
+    """A transformers cache whose layers write each row's new keys into its own store."""
+    from transformers.cache_utils import Cache
+
+    layer = _row_layer_class()
+    return Cache(layers=[layer(batch, i) for i in range(batch.layers)])
+
+
+@functools.cache
+def _row_layer_class() -> type:
+    """transformers' DynamicLayer writing into a :class:`RowBatch` (see _buffered_layer_class)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class RowLayer(DynamicLayer):
+        def __init__(self, batch: RowBatch, index: int) -> None:
+            super().__init__()
+            self.batch, self.index = batch, index
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            self.batch.write(self.index, key_states, value_states)
+            return key_states, value_states  # (the attention reads the rows' stores instead)
+
+        def get_seq_length(self) -> int:
+            return max(self.batch.start)
+
+    return RowLayer
 
 
 def _buffer_cache(buffers: list[LayerBuffer]) -> Any:
