@@ -238,3 +238,24 @@ def test_one_step_is_one_small_forward_and_memory_is_bounded(
         assert len(waiting.branches) <= 3
         for row in waiting.branches.values():
             assert row.cache is not None and row.cache.length == len(row.feed) + row.gamma - 1
+
+
+def test_no_predrafting_while_more_proposals_than_the_limit_are_out(
+    draft: models.LoadedModel,
+) -> None:
+    """Catches a hub that pre-drafts under load (where each step delays the real jobs that
+    arrive meanwhile), and one that stops pre-drafting for good once load was high."""
+    proposer = LlmProposer(draft)
+    predrafter = Predrafter(proposer, branches=2, max_in_flight=2)
+    states = [proposer.new_state(PROMPT, SamplingParams(), 2) for _ in range(3)]
+    proposer.propose([DraftJob(b"%d" % i, 0, s, 0, ()) for i, s in enumerate(states)])
+    for i, s in enumerate(states):
+        predrafter.offer(b"%d" % i, s)
+    assert not predrafter.has_work()  # three out: over the limit
+    assert predrafter.answer(DraftJob(b"0", 1, states[0], 0, (7,))) is None  # one verdict back
+    assert predrafter.has_work() and idle(predrafter) > 0  # two out: pre-draft again
+    # A session that closes with its proposal out no longer counts once pruned.
+    predrafter.offer(b"0", states[0])
+    assert not predrafter.has_work()
+    predrafter.prune(lambda tag: tag != b"2")
+    assert predrafter.has_work()

@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--predraft-branches", type=int, default=HubConfig.predraft_branches,
                    help="while no job waits, draft ahead for this many likely verdicts per "
                         "session whose proposal is out (draft-kind llm); 0 turns it off")
+    p.add_argument("--predraft-max-in-flight", type=int,
+                   default=HubConfig.predraft_max_in_flight,
+                   help="pre-draft only while at most this many proposals are out (with more, "
+                        "pre-draft steps delay real jobs more than their hits save)")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on http://--metrics-host:PORT/metrics (off "
                         "by default)")  # fmt: skip
@@ -72,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
         p.error(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.predraft_branches < 0:
         p.error(f"--predraft-branches must be >= 0, got {args.predraft_branches}")
+    if args.predraft_max_in_flight < 1:
+        p.error(f"--predraft-max-in-flight must be >= 1, got {args.predraft_max_in_flight}")
     if args.max_gamma < 1:
         p.error(f"--max-gamma must be at least 1, got {args.max_gamma}")
     if args.gamma != "auto" and not 0 <= args.gamma <= args.max_gamma:

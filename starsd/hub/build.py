@@ -48,6 +48,7 @@ def predrafter_for(proposer: Proposer, config: HubConfig) -> Predrafter | None:
         return None
     return Predrafter(proposer, config.predraft_branches, rows=min(32, config.max_batch),
                       max_sessions=config.max_sessions,
+                      max_in_flight=config.predraft_max_in_flight,
                       reach=1 if config.auto_gamma else 0)  # fmt: skip
 
 

@@ -36,6 +36,9 @@ class HubConfig:
     max_batch: int = 64  # draft jobs drafted together in one batch (1: one at a time)
     gather: bool = True  # a batch waits for the verdicts due within one batch's service time
     predraft_branches: int = 4  # verdicts pre-drafted per session while idle (0: off; llm only)
+    # pre-draft only while at most this many proposals are out: with more, the idle gaps are
+    # short, few branches hit and a pre-draft step delays the real jobs that arrive meanwhile
+    predraft_max_in_flight: int = 2
     metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
     metrics_host: str = "127.0.0.1"
 
@@ -44,6 +47,9 @@ class HubConfig:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.predraft_branches < 0:
             raise ValueError(f"predraft_branches must be >= 0, got {self.predraft_branches}")
+        if self.predraft_max_in_flight < 1:
+            raise ValueError("predraft_max_in_flight must be >= 1, got "
+                             f"{self.predraft_max_in_flight}")  # fmt: skip
         if self.max_gamma < 1:
             raise ValueError(f"max_gamma must be at least 1, got {self.max_gamma}")
         if self.gamma != "auto" and (

@@ -229,6 +229,16 @@ class PacedPredrafter:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    def has_work(self) -> bool:
+        """The pre-drafter's, once it has forgotten the sessions closed meanwhile (only the
+        table knows those; looked up only when the count matters)."""
+        inner = self.inner
+        if inner.over_limit():
+            with self.paced.lock:
+                sessions = self.paced.table.sessions
+                inner.prune(lambda tag: tag in sessions)
+        return bool(inner.has_work())
+
     def answer(self, job: DraftJob) -> Proposal | None:
         """The proposal for ``job`` from a branch at the gamma chosen now, or None."""
         paced = self.paced

@@ -24,6 +24,11 @@ session's branches and is drafted as usual, from session state that pre-drafting
 
 Real jobs come first: the engine calls :meth:`Predrafter.step` only while Q_in is empty, and a
 step is one forward of at most ``rows`` rows, so a job that arrives waits for one small step.
+Under load not even that: with more than ``max_in_flight`` proposals out (``--predraft-max-in-
+flight``, 2) there is no step at all, because the hub's idle gaps are then short, few branches
+hit (measured here at N = 4: 2-16 % of verdicts) and every step delays the jobs that arrive
+during it; one target at --concurrency 8 ran 6-8 % slower with pre-drafting than without, while
+at --concurrency 1 pre-drafting made it 12-16 % faster (alternated runs, default pair).
 Memory is bounded: at most ``branches`` branches per session (gamma positions of KV each, stored
 apart from the session's cache) and at most ``max_sessions`` sessions waiting for verdicts.
 """
@@ -33,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -69,7 +74,8 @@ class Predrafter:
     """Branches for the sessions whose verdicts are out, drafted one forward at a time."""
 
     def __init__(self, proposer: LlmProposer, branches: int = 4, rows: int = 32,
-                 max_sessions: int = 256, reach: int = 0) -> None:  # fmt: skip
+                 max_sessions: int = 256, reach: int = 0,
+                 max_in_flight: int | None = None) -> None:  # fmt: skip
         proposer.record_alternatives = True  # the top-k per position that branches come from
         self.proposer = proposer
         self.branches = branches
@@ -78,6 +84,8 @@ class Predrafter:
         self.reach = reach
         self.rows = rows
         self.max_sessions = max_sessions
+        # no pre-draft step while more proposals than this are out (None: always)
+        self.max_in_flight = max_in_flight
         self.waiting: OrderedDict[bytes, Waiting] = OrderedDict()  # oldest first
         self.to_probe: list[Waiting] = []
         self.to_draft: list[tuple[Waiting, LlmRow]] = []
@@ -98,8 +106,20 @@ class Predrafter:
         self.to_probe.append(waiting)
 
     def has_work(self) -> bool:
-        """Whether a pre-draft step would do anything."""
+        """Whether a pre-draft step would do anything, and is worth doing at this load."""
+        if self.over_limit():
+            return False
         return bool(self.running or self.to_probe or self.to_draft)
+
+    def over_limit(self) -> bool:
+        """Whether more proposals are out than pre-drafting pays for (see the module doc)."""
+        return self.max_in_flight is not None and len(self.waiting) > self.max_in_flight
+
+    def prune(self, is_open: Callable[[bytes], bool]) -> None:
+        """Forget the sessions closed since their proposal went out (their verdicts never
+        come): else they would count as proposals out for ever."""
+        for tag in [tag for tag in self.waiting if not is_open(tag)]:
+            del self.waiting[tag]
 
     def answer(self, job: DraftJob) -> Proposal | None:
         """The proposal for ``job`` from a matching branch, or None (draft it as usual)."""
