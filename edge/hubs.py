@@ -81,12 +81,6 @@ class HubPool:
         """Whether at least one hub serves this target now."""
         return any(client.up for client in self.clients)
 
-    @property
-    def wants_features(self) -> bool:
-        """Whether some hub drafts from target features (EAGLE): sequences then keep them, so
-        that they can move to such a hub."""
-        return any(client.wants_features for client in self.clients)
-
     def keeps_features(self) -> bool:
         """Whether new sequences should keep their target features: some hub drafts from them
         (EAGLE), or a hub has never said what it drafts from (it may be such a hub)."""
