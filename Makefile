@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 BENCH_ARGS = $(if $(QUICK),--quick)
 
-.PHONY: venv install test test-fast test-load hostile-probe lint demo models eval-models bench bench-scale bench-lan \
+.PHONY: venv install test test-fast test-load hostile-probe lint demo models eval-models bench bench-scale bench-lan bench-hubs \
 	bench-service bench-onnx check-gpu load \
 	analytic clean help
 
@@ -31,6 +31,8 @@ help:
 	@echo "                 transformers' assisted generation, pre-draft hit rate -> results/bench.json + .png  [QUICK=1]"
 	@echo "make bench-scale emulated targets up to N=256 (QUICK 128), one-at-a-time vs batched hub, N_full, S(B),"
 	@echo "                 RSS, fixed gamma vs --gamma auto -> results/bench-scale.json + .png [QUICK=1: < 4 min]"
+	@echo "make bench-hubs  one hub vs two (emulated sweep, hubs pinned to CPUs 0 and 1) and a hub SIGKILLed under"
+	@echo "                 real targets -> results/bench-hubs.json + .png [QUICK=1: < 2 min]"
 	@echo "make bench-service  S(B) of the draft LLM and EAGLE head in process -> results/bench-service.json [QUICK=1]"
 	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
 	@echo "make bench-onnx  onnxruntime CPU vs torch CPU, greedy tok/s on the default target -> results/bench-onnx.json"
@@ -90,6 +92,9 @@ bench: $(STAMP)
 
 bench-scale: $(STAMP)
 	$(BIN)/python scripts/bench.py --suite scale $(BENCH_ARGS)
+
+bench-hubs: $(STAMP)
+	$(BIN)/python scripts/bench_hubs.py $(BENCH_ARGS)
 
 bench-service: $(STAMP)
 	$(BIN)/python scripts/bench_service.py $(BENCH_ARGS)

@@ -16,6 +16,12 @@ they cost a real one. ``--alpha-switch A --switch-at F`` changes the acceptance 
 of the run after the warm-up has passed, and ``--trace-gamma`` (implied by a switch) records
 every session's proposal lengths round by round (``gamma_trace``).
 
+``--hub`` takes a comma list of hubs: each emulated target then keeps one connection per hub
+(an edge.hubs.HubPool, as a real target given ``--hub A,B``) and opens each sequence on
+``pool.pick()``, the hub with the most spare capacity by the load the hubs report; the report then
+adds ``hubs`` (per hub: sessions placed there, its open sessions, busy fraction, jobs and batch
+size over the window) and ``balance``, and its hub-wide figures pool every hub's counters.
+
 The report carries system and per-target throughput, per-token latency, bytes per round,
 each round's wait for its proposal (DRAFT sent to PROPOSAL received: the hub's queue wait and
 service plus the link), and from STATS replies over the measured window the hub's busy fraction,
@@ -41,6 +47,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from edge.client import HubClient, TargetInfo
+from edge.hubs import HubPool, parse_hub_endpoints
 from starsd import protocol, transport
 from starsd.protocol import Proposal, SamplingParams, Stats
 from starsd.stats import latency_summary
@@ -74,6 +81,11 @@ class EmulationConfig:
     alpha_switch: float | None = None  # the acceptance rate once switch_at of the run has passed
     switch_at: float = 0.5  # fraction of the run after the warm-up (window and calibration)
     trace_gamma: bool = False  # record every session's proposal lengths (gamma_trace)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The hubs of ``hub`` (a comma list)."""
+        return parse_hub_endpoints(self.hub)
 
     @property
     def step_alone_s(self) -> float:
@@ -157,6 +169,26 @@ class TargetRecord:
     had_proposal: bool = False
     calibration_rounds: int = 0
     calibration_verify_s: float = 0.0
+    placed: dict[str, int] = field(default_factory=dict)  # hub endpoint -> sessions opened there
+    hubs: dict[str, HubRounds] = field(default_factory=dict)  # hub endpoint -> window rounds
+
+    def per_hub(self, endpoint: str) -> HubRounds:
+        """This target's verified rounds on the hub at ``endpoint`` (in the window)."""
+        return self.hubs.setdefault(endpoint, HubRounds())
+
+
+@dataclass
+class HubRounds:
+    """One target's verified rounds on one hub inside the window (spans alone not counted)."""
+
+    rounds: int = 0
+    tokens: int = 0
+    wait_s: float = 0.0  # request out -> proposal in, summed
+
+    def add(self, tokens: int, wait_s: float) -> None:
+        self.rounds += 1
+        self.tokens += tokens
+        self.wait_s += wait_s
 
 
 def accepted_count(rng: random.Random, alpha: float, gamma: int) -> int:
@@ -168,13 +200,17 @@ def accepted_count(rng: random.Random, alpha: float, gamma: int) -> int:
 
 
 async def run_target(
-    client: HubClient, cfg: EmulationConfig, index: int, phases: Phases, record: TargetRecord,
+    pool: HubPool, cfg: EmulationConfig, index: int, phases: Phases, record: TargetRecord,
 ) -> None:  # fmt: skip
-    """One emulated target: sequences back to back until the last slice ends."""
+    """One emulated target: sequences back to back until the last slice ends, each opened on
+    the hub ``pool.pick()`` places it on (with one hub: that hub)."""
     rng = random.Random(cfg.seed * 100_003 + index)
-    vocab = client.info.vocab_size
     while time.perf_counter() < phases.finish:
-        prompt = [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
+        client = pool.pick()
+        if client is None:  # a benchmark with a hub down measures nothing worth keeping
+            raise RuntimeError(f"target {index}: no live hub to open a session on")
+        record.placed[client.endpoint] = record.placed.get(client.endpoint, 0) + 1
+        prompt = [rng.randrange(client.info.vocab_size) for _ in range(PROMPT_TOKENS)]
         tag, inbox = await client.open(prompt, SamplingParams(), cfg.gamma)
         trace: dict | None = None
         if cfg.tracing:
@@ -219,6 +255,8 @@ async def _one_sequence(
                                            cfg.max_new_tokens - generated)  # fmt: skip
         _account(record, phases, msg, accepted, appended, (asked, verify_started),
                  first=seq == 0, step_s=cfg.step_alone_s)  # fmt: skip
+        if len(msg.tokens) and phases.kind(time.perf_counter()) == "window":
+            record.per_hub(client.endpoint).add(accepted + len(appended), verify_started - asked)
         generated += accepted + len(appended)
         seq += 1
         asked = time.perf_counter()
@@ -308,29 +346,58 @@ def _record_round(record: TargetRecord, msg: Proposal, accepted: int, appended: 
 async def emulate(cfg: EmulationConfig) -> dict:
     """Run the emulation and return its report (also written to ``cfg.out``)."""
     ctx = transport.new_context()
-    clients = [HubClient(ctx, cfg.hub, target_info(cfg)) for _ in range(cfg.targets)]
+    info, endpoints = target_info(cfg), cfg.endpoints
+    pools = [HubPool.create(ctx, endpoints, info) for _ in range(cfg.targets)]
     try:
-        await asyncio.gather(*(c.connect() for c in clients))
-        phases, records = Phases(), [TargetRecord() for _ in clients]
-        tasks = [asyncio.create_task(run_target(c, cfg, i, phases, records[i]))
-                 for i, c in enumerate(clients)]  # fmt: skip
+        await asyncio.gather(*(pool.connect() for pool in pools))
+        phases, records = Phases(), [TargetRecord() for _ in pools]
+        tasks = [asyncio.create_task(run_target(pool, cfg, i, phases, records[i]))
+                 for i, pool in enumerate(pools)]  # fmt: skip
         await _warm_up(cfg, phases, tasks)
         phases.switch = switch_time(phases.bounds, cfg)
-        snapshots, cpu = [], []
-        for bound in phases.bounds:
-            await asyncio.sleep(max(0.0, bound - time.perf_counter()))
-            snapshots.append(await clients[0].stats())
-            cpu.append((time.perf_counter(), time.process_time()))
+        snapshots, cpu = await _poll_stats(phases, _stats_clients(pools[0], endpoints))
         await asyncio.gather(*tasks)
         await asyncio.sleep(CLOSE_FLUSH_S)  # the sockets close with linger 0: let CLOSEs out
     finally:
-        await asyncio.gather(*(c.aclose() for c in clients))
+        await asyncio.gather(*(pool.aclose() for pool in pools))
         ctx.term()
-    spans = list(itertools.pairwise(snapshots))
+    return full_report(cfg, records, snapshots, cpu)
+
+
+def _stats_clients(pool: HubPool, endpoints: tuple[str, ...]) -> list[HubClient]:
+    """One client per hub, in ``--hub`` order, to ask for STATS (the first target's)."""
+    by_endpoint = {client.endpoint: client for client in pool.clients}
+    return [by_endpoint[endpoint] for endpoint in endpoints]
+
+
+async def _poll_stats(phases: Phases, clients: list[HubClient]
+                      ) -> tuple[list[list[Stats]], list[tuple[float, float]]]:  # fmt: skip
+    """Every hub's STATS at every slice bound (one list per hub), and this process's
+    (wall, CPU) clock there."""
+    snapshots: list[list[Stats]] = [[] for _ in clients]
+    cpu = []
+    for bound in phases.bounds:
+        await asyncio.sleep(max(0.0, bound - time.perf_counter()))
+        replies = await asyncio.gather(*(client.stats() for client in clients))
+        for per_hub, reply in zip(snapshots, replies, strict=True):
+            per_hub.append(reply)
+        cpu.append((time.perf_counter(), time.process_time()))
+    return snapshots, cpu
+
+
+def full_report(cfg: EmulationConfig, records: list[TargetRecord], snapshots: list[list[Stats]],
+                cpu: list[tuple[float, float]]) -> dict:  # fmt: skip
+    """The report: :func:`report` over the window slices with every hub's counters pooled, the
+    calibration slices', and with several hubs each hub's own figures (:func:`hubs_report`)."""
+    per_hub = [list(itertools.pairwise(s)) for s in snapshots]
+    window = [span for spans in per_hub for span in spans[1::2]]
+    calibration = [span for spans in per_hub for span in spans[::2]]
     (wall0, cpu0), (wall1, cpu1) = cpu[0], cpu[-1]
     traced = {"gamma_trace": [t for r in records for t in r.traces]} if cfg.tracing else {}
-    return {**report(cfg, records, spans[1::2]),
-            "calibration": calibration_report(records, spans[::2]), **traced,
+    several = (hubs_report(cfg.endpoints, records, per_hub, cfg.duration)
+               if len(snapshots) > 1 else {})  # fmt: skip
+    return {**report(cfg, records, window),
+            "calibration": calibration_report(records, calibration), **traced, **several,
             # near 1: this process is the bottleneck, not the hub (split the targets)
             "emulator_cpu_fraction": (cpu1 - cpu0) / (wall1 - wall0)}
 
@@ -402,6 +469,53 @@ def _batch_fields(hub: dict[str, float], spans: list[Span]) -> dict:
             "service_curve": service_curve(spans)}  # fmt: skip
 
 
+def hubs_report(endpoints: tuple[str, ...], records: list[TargetRecord],
+                per_hub: list[list[Span]], duration: float) -> dict:  # fmt: skip
+    """Per hub (in ``--hub`` order): sessions placed there over the whole run (warm-up
+    included), its open sessions at the window slices' bounds, its counters over the window,
+    and the targets' verified rounds on it (``duration``: the window's seconds); and
+    ``balance``, how evenly sessions, open sessions, jobs and tokens spread over the hubs."""
+    hubs = [{**hub_figures(ep, sum(r.placed.get(ep, 0) for r in records), spans[1::2]),
+             **rounds_on(ep, records, duration)}
+            for ep, spans in zip(endpoints, per_hub, strict=True)]  # fmt: skip
+    return {"hubs": hubs,
+            "balance": {key: balance([h[key] for h in hubs])
+                        for key in ("sessions_placed", "mean_open_sessions", "jobs",
+                                    "tokens_per_s")}}  # fmt: skip
+
+
+def rounds_on(endpoint: str, records: list[TargetRecord], duration: float) -> dict:
+    """The targets' verified rounds on one hub in the window: tokens/s and the mean wait for a
+    proposal (request out -> proposal in)."""
+    rows = [r.hubs[endpoint] for r in records if endpoint in r.hubs]
+    rounds = sum(h.rounds for h in rows)
+    return {"tokens_per_s": sum(h.tokens for h in rows) / duration, "rounds": rounds,
+            "proposal_wait_ms": 1e3 * sum(h.wait_s for h in rows) / max(rounds, 1)}
+
+
+def hub_figures(endpoint: str, placed: int, window: list[Span]) -> dict:
+    """One hub's figures over the window slices ``window``."""
+    hub = hub_counters(window)
+    open_sessions = [s.sessions for span in window for s in span]
+    wall, jobs = hub["wall_s"], hub["jobs"]
+    return {"endpoint": endpoint, "sessions_placed": placed,
+            "mean_open_sessions": sum(open_sessions) / max(len(open_sessions), 1),
+            "busy_fraction": hub["busy_s"] / wall if wall > 0 else 0.0,
+            "jobs": jobs, "queue_wait_ms": 1e3 * hub["queue_wait_s"] / max(jobs, 1),
+            **_batch_fields(hub, window)}  # fmt: skip
+
+
+def balance(counts: list[float]) -> dict:
+    """How evenly ``counts`` (one per hub) spread: each hub's share of the total, and the
+    largest share over an even one (1.0: even; the number of hubs: all on one hub; None when
+    there is nothing to share)."""
+    total = sum(counts)
+    if total <= 0:
+        return {"shares": [0.0 for _ in counts], "max_over_even": None}
+    shares = [c / total for c in counts]
+    return {"shares": shares, "max_over_even": max(shares) * len(counts)}
+
+
 def calibration_report(records: list[TargetRecord], spans: list[Span]) -> dict:
     """S(d), the batch sizes and the verify time over the calibration slices."""
     hub = hub_counters(spans)
@@ -461,7 +575,8 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], spans: list[Span])
 def parse_args(argv: list[str] | None = None) -> EmulationConfig:
     """argparse -> EmulationConfig."""
     p = argparse.ArgumentParser(prog="scripts/emulated.py", description=__doc__.split("\n")[0])
-    p.add_argument("--hub", required=True)
+    p.add_argument("--hub", required=True,
+                   help="hub endpoint, or a comma list: each target places sessions over them")
     p.add_argument("--targets", type=int, default=EmulationConfig.targets)
     p.add_argument("--alpha", type=float, default=EmulationConfig.alpha)
     p.add_argument("--verify-ms", type=float, default=EmulationConfig.verify_ms)
@@ -491,7 +606,12 @@ def parse_args(argv: list[str] | None = None) -> EmulationConfig:
     p.add_argument("--tokenizer", default=EmulationConfig.tokenizer,
                    help="tokenizer fingerprint; with --vocab-size, --model is not read")
     p.add_argument("--out")
-    return EmulationConfig(**vars(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    try:
+        parse_hub_endpoints(args.hub)
+    except ValueError as exc:
+        p.error(f"--hub: {exc}")
+    return EmulationConfig(**vars(args))
 
 
 def main(argv: list[str] | None = None) -> int:
