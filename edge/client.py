@@ -84,8 +84,11 @@ class HubLoad:
     def spare(self, placed: int) -> float:
         """Sessions the hub could still take before its drafting thread is busy all the time,
         less its queued jobs and ``placed`` sessions not yet in this report (may be < 0)."""
-        cost = max(self.busy / self.sessions if self.sessions else 0.0, MIN_SESSION_COST)
-        return (1.0 - self.busy) / cost - self.queue - placed
+        # A hub without sessions has nothing to draft: a busy reading then is what its closed
+        # sessions left in the window, not load (else a hub freed a moment ago looks full).
+        busy = self.busy if self.sessions else 0.0
+        cost = max(busy / self.sessions if self.sessions else 0.0, MIN_SESSION_COST)
+        return (1.0 - busy) / cost - self.queue - placed
 
 
 @dataclass(frozen=True)

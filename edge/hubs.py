@@ -12,15 +12,21 @@ load each hub reports in WELCOME and in every PONG (:class:`edge.client.HubLoad`
 session costs about
 ``busy / sessions`` of the hub, so the hub has room for ``(1 - busy) / cost`` more, less the
 jobs already waiting in its queue and the sessions this target placed there since that report
-(placed but not yet counted: without them a burst of opens would all land on one hub). Ties go
-to the hub with fewer sessions. Sessions never move while their hub is healthy: only a hub that
-dies, drains or restarts sends its sessions back here for a new place (edge.speculate).
+(placed but not yet counted: without them a burst of opens would all land on one hub).
+
+Hubs whose room is within ``NEAR`` of the best count as tied: among them the one this target has
+placed fewest sessions on wins, then a random order drawn once per target. Without that, many
+targets that start together see the same reports and all pick the same hub (a herd: measured
+with 64 emulated targets, every session on one of two idle hubs), and the reports only catch up
+after the sessions are placed for good. Sessions never move while their hub is healthy: only a
+hub that dies, drains or restarts sends its sessions back here for a new place (edge.speculate).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
 
 import zmq.asyncio
@@ -30,6 +36,7 @@ from starsd import curve_client, protocol
 
 log = logging.getLogger("edge.hubs")
 
+NEAR = 0.2  # room within this fraction of the best (or within one session) counts as a tie
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):\d{1,5}|ipc://\S+)$")
 
 
@@ -62,8 +69,11 @@ class HubPool:
     Owned by the event loop (like the clients): no lock.
     """
 
-    def __init__(self, clients: list[HubClient]) -> None:
+    def __init__(self, clients: list[HubClient], rng: random.Random | None = None) -> None:
+        """``rng`` draws this target's order among tied hubs (default: seeded from the OS)."""
         self.clients = list(clients)
+        rng = rng or random.Random()
+        self._order = {id(client): rng.random() for client in self.clients}
 
     @classmethod
     def create(
@@ -129,18 +139,16 @@ class HubPool:
                 and (with_features or not client.wants_features)]  # fmt: skip
         if not live:
             return None
-        best = max(live, key=_room)
-        best.placed += 1
-        return best
+        rooms = {id(c): c.load.spare(c.placed_since_report) for c in live}
+        best = max(rooms.values())
+        tied = [c for c in live if rooms[id(c)] >= best - max(1.0, NEAR * abs(best))]
+        chosen = min(tied, key=lambda c: (c.placed, self._order.get(id(c), 0.0)))
+        chosen.placed += 1
+        return chosen
 
     async def aclose(self) -> None:
         """Close every hub's client."""
         await asyncio.gather(*(client.aclose() for client in self.clients))
-
-
-def _room(client: HubClient) -> tuple[float, int]:
-    load, placed = client.load, client.placed_since_report
-    return load.spare(placed), -(load.sessions + placed)
 
 
 def _refusal(result: object) -> BaseException | None:

@@ -9,6 +9,7 @@ alone. The end-to-end case with real processes is tests/test_failover.py.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from pathlib import Path
 
@@ -119,6 +120,25 @@ def test_a_burst_of_opens_alternates_between_idle_hubs() -> None:
     pool = _pool(_FakeClient("a", HubLoad()), _FakeClient("b", HubLoad()))
     picks = [_pick(pool) for _ in range(8)]
     assert picks.count("a") == picks.count("b") == 4
+
+
+def test_many_targets_starting_together_spread_over_equal_hubs() -> None:
+    """Catches the herd: 64 targets that see the same reports and each pick the same hub
+    (measured before the random order among tied hubs: all 64 sessions on one hub)."""
+    def target(seed: int) -> HubPool:  # each target its own clients, the same reports
+        clients = [_FakeClient("a", HubLoad(4, 0, 0.5)), _FakeClient("b", HubLoad(4, 0, 0.5))]
+        return HubPool(clients, random.Random(seed))  # type: ignore[arg-type]
+
+    picks = [_pick(target(seed)) for seed in range(64)]
+    assert 20 <= picks.count("a") <= 44
+
+
+def test_a_hub_without_sessions_is_not_shunned_for_its_past_busy() -> None:
+    """Catches placement that reads a freed hub's busy window (its closed sessions' work) as
+    load: such a hub got no session at all in a benchmark run."""
+    freed, other = HubLoad(sessions=0, busy=0.99), HubLoad(sessions=0, busy=0.0)
+    assert freed.spare(0) == other.spare(0)
+    assert HubLoad(sessions=4, busy=0.99).spare(0) < HubLoad(sessions=4, busy=0.2).spare(0)
 
 
 def test_pick_prefers_the_hub_with_room_and_skips_down_full_and_eagle_hubs() -> None:
