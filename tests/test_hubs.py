@@ -299,3 +299,29 @@ def test_pong_load_fields_round_trip_and_stay_off_the_wire_at_zero() -> None:
     loaded = protocol.decode(protocol.encode(Pong(7, b"e" * 8, sessions=3, queue=2, busy=0.5)))
     assert loaded == Pong(7, b"e" * 8, 3, 2, 0.5)
     assert np.isclose(loaded.busy, 0.5)
+
+
+async def test_a_hub_that_comes_back_gets_new_sessions_again(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
+) -> None:
+    """Catches a pool that drops a hub for good once it was lost: after its client is marked
+    down (as on a missed lease) no session goes there, and once the client's liveness loop has
+    been welcomed again, new sessions do."""
+    hubs = [await _start_hub(llama_pair[1], heartbeat_s=0.2) for _ in range(2)]
+    ctx = transport.new_context()
+    pool = HubPool.create(ctx, tuple(h[0].endpoint for h in hubs), _info(llama_target))
+    try:
+        assert await pool.connect(timeout=5.0) == 2
+        lost, other = pool.clients
+        lost.mark_down("test: as if its lease ran out")
+        assert {pool.pick() for _ in range(4)} == {other}
+        deadline = time.monotonic() + 5
+        while not lost.up and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert lost.up and lost.generation == 2  # welcomed again by its HELLO loop
+        assert lost in {pool.pick() for _ in range(4)}
+    finally:
+        await pool.aclose()
+        ctx.term()
+        for hub in hubs:
+            await _stop_hub(*hub)
