@@ -54,6 +54,7 @@ def test_two_hubs_three_targets_one_hub_killed_outputs_exact_and_sessions_move(
         wait_for(t.log_path, r"2 of 2 hubs serve this target", t.proc)
     victim, survivor = hubs
     wait_for(victim.log_path, r"hub: targets=3 sessions=[1-9]", victim.proc, timeout=30)
+    wait_for(survivor.log_path, r"hub: targets=3 sessions=\d+", survivor.proc, timeout=30)
     before = _sessions(survivor.text())[-1]
     victim.stop(signal.SIGKILL)
     rows = []
