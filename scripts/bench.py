@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -29,7 +27,7 @@ import bench_verify
 import torch
 from bench_common import BenchConfig, hub_overhead, hub_stats, run_record
 from harness import PROMPTS as HARNESS_PROMPTS
-from harness import REPO, Processes, start_hub, start_hubs, stop
+from harness import REPO, Processes, run_suite, start_hub, start_hubs, stop
 
 from edge.backends.torch import TorchBackend
 from edge.client import TargetInfo
@@ -562,25 +560,12 @@ SUITES = {"main": suite_main, "scale": bench_scale.suite_scale, "lan": suite_lan
 OUT_NAMES = {"main": "bench", "scale": "bench-scale", "lan": "bench-lan"}
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM cleans up (processes, namespaces) like Ctrl-C
-
-
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
-    procs = Processes()
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="starsd-bench-") as tmp:
-        try:
-            result = {"suite": cfg.suite, "config": asdict(cfg),
-                      **SUITES[cfg.suite](cfg, procs, Path(tmp))}  # fmt: skip
-        except KeyboardInterrupt:
-            print("bench: interrupted; all processes stopped", file=sys.stderr)
-            return 130
-        finally:
-            procs.stop_all()
-    result["wall_s"] = time.perf_counter() - started
+    result = run_suite("bench", lambda procs, work: {
+        "suite": cfg.suite, "config": asdict(cfg), **SUITES[cfg.suite](cfg, procs, work)})
+    if result is None:
+        return 130
     result["machine"] = machine()
     out = REPO / cfg.out_dir / f"{OUT_NAMES[cfg.suite]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,6 @@ import re
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -43,7 +42,16 @@ from pathlib import Path
 from typing import Any
 
 from bench_scale import NO_PREDRAFT, Phases, wait_sessions_closed
-from harness import PROMPTS, REPO, Processes, start_hub_set, start_hubs, stop, wait_for_line
+from harness import (
+    PROMPTS,
+    REPO,
+    Processes,
+    run_suite,
+    start_hub_set,
+    start_hubs,
+    stop,
+    wait_for_line,
+)
 
 from edge.client import TargetInfo
 from starsd import models
@@ -508,17 +516,10 @@ def parse_args(argv: list[str] | None = None) -> HubsConfig:
 def main(argv: list[str] | None = None) -> int:
     """Run the suite; write results/bench-hubs.json and .png; print the table."""
     cfg = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
-    procs, started = Processes(), time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="starsd-bench-hubs-") as tmp:
-        try:
-            result = {"suite": "hubs", "config": asdict(cfg), **suite(cfg, procs, Path(tmp))}
-        except KeyboardInterrupt:
-            print("bench-hubs: interrupted; all processes stopped", file=sys.stderr)
-            return 130
-        finally:
-            procs.stop_all()
-    result["wall_s"] = time.perf_counter() - started
+    result = run_suite("bench-hubs", lambda procs, work: {
+        "suite": "hubs", "config": asdict(cfg), **suite(cfg, procs, work)})
+    if result is None:
+        return 130
     out = REPO / cfg.out_dir / "bench-hubs.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -526,10 +527,6 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(result))
     print(f"wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f} s")
     return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops every child, as Ctrl-C does
 
 
 if __name__ == "__main__":

@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 # Opening lines in the default models' corpus (play-formatted Shakespeare).
@@ -142,3 +146,25 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
     """SIGTERM one process and wait for its exit code."""
     proc.terminate()
     return proc.wait(timeout=timeout)
+
+
+def run_suite(name: str, suite: Callable[[Processes, Path], dict[str, Any]]
+              ) -> dict[str, Any] | None:  # fmt: skip
+    """``suite(procs, work_dir)`` in a scratch directory, every process it started stopped at the
+    end; SIGTERM and Ctrl-C stop them too (then None). The result gains ``wall_s``."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    procs, started = Processes(), time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"starsd-{name}-") as tmp:
+        try:
+            result = suite(procs, Path(tmp))
+        except KeyboardInterrupt:
+            print(f"{name}: interrupted; all processes stopped", file=sys.stderr)
+            return None
+        finally:
+            procs.stop_all()
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops every child (and namespace), as Ctrl-C does
