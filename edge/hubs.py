@@ -9,10 +9,10 @@ the pool: its client keeps saying HELLO and the hub gets sessions once it answer
 Placement: a new session goes to the live hub with the most spare capacity, estimated from the
 load each hub reports in WELCOME and in every PONG (:class:`edge.client.HubLoad`): with
 ``busy`` the drafting thread's recent busy fraction and ``sessions`` its open sessions, one
-session costs about
-``busy / sessions`` of the hub, so the hub has room for ``(1 - busy) / cost`` more, less the
-jobs already waiting in its queue and the sessions this target placed there since that report
-(placed but not yet counted: without them a burst of opens would all land on one hub).
+session costs about ``busy / sessions`` of the hub, so the hub has room for
+``(1 - busy) / cost`` more, less the jobs already waiting in its queue and the sessions this
+target placed there since that report (placed but not yet counted: without them a burst of
+opens would all land on one hub). A hub without sessions counts as idle.
 
 Hubs whose room is within ``NEAR`` of the best count as tied: among them the one this target has
 placed fewest sessions on wins, then a random order drawn once per target. Without that, many

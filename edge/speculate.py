@@ -80,7 +80,7 @@ async def generate_speculative(
     try:
         while not seq.done:
             if session is not None and not _alive(session):
-                lost = session.client if not session.client.up else lost
+                lost = _lost_hub(session, lost)
                 session = None  # its hub went down or restarted: that session is gone
             if session is None and not closed_for_good:
                 session = await _place(pool, seq, hub_params, gamma, fallback)
@@ -92,12 +92,17 @@ async def generate_speculative(
                 continue
             current = session
             session, closed_for_good = await _round(seq, session, batcher, fallback)
-            if session is None and not current.client.up:
-                lost = current.client
+            if session is None:
+                lost = _lost_hub(current, lost)
     finally:
         if session is not None:
             await session.client.close_session(session.tag)
     return seq
+
+
+def _lost_hub(dropped: HubSession, lost: HubClient | None) -> HubClient | None:
+    """The hub a dropped session was lost with (it is down), else the one lost before."""
+    return dropped.client if not dropped.client.up else lost
 
 
 def _alive(session: HubSession) -> bool:
