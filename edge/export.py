@@ -186,7 +186,7 @@ def export(model_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise ExportError(f"{out_dir} exists and is not empty (--force replaces it)")
     started = time.perf_counter()
-    loaded = models.load_causal_lm(model_dir, "cpu", dtype)
+    loaded = models.load_causal_lm(model_dir, "cpu", dtype, lean=False)  # trace transformers
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     seed_everything(config)
     start = time.perf_counter()
-    target_lm = models.load_causal_lm(config.target_dir, dtype="float32")
-    draft_lm = models.load_causal_lm(config.draft_dir, dtype="float32")
+    target_lm = models.load_causal_lm(config.target_dir, dtype="float32", lean=False)
+    draft_lm = models.load_causal_lm(config.draft_dir, dtype="float32", lean=False)
     target, tokenizer = target_lm.model, target_lm.tokenizer
     corpus = load_corpus(config.cache_dir)
     stream = torch.tensor(encode_works(tokenizer, [text for _, text in corpus.train]))

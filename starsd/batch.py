@@ -37,7 +37,7 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [
 ROW_CHUNK = 128  # a growing cache's store is a multiple of this many positions
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not value: caches are keys of a pool's weak table
 class SequenceCache:
     """One sequence's KV cache, owned by whoever owns the sequence (no batch dimension).
 
@@ -48,8 +48,8 @@ class SequenceCache:
     """
 
     kv: torch.Tensor | None = None  # [layers, 2, heads, T, d]; None until the first forward
-    # [layers, 2, heads, capacity, d] that ``kv`` is the start of, when the sequence's cache
-    # grows in place (RowBatch); None for a compact cache (the gather path)
+    # [layers, 2, heads, capacity, d] that ``kv`` is the start of, when the cache is a slot of a
+    # starsd.kvpool.KVPool (it grows in place there); None for a compact cache (the gather path)
     store: torch.Tensor | None = None
 
     @classmethod
@@ -97,22 +97,6 @@ class SequenceCache:
     def nbytes(self) -> int:
         """Bytes of keys and values this sequence holds."""
         return self.kv.nbytes if self.kv is not None else 0
-
-    def with_room(self, more: int, shape: tuple[int, int, int], dtype: torch.dtype,
-                  device: torch.device) -> SequenceCache:  # fmt: skip
-        """A cache of these positions whose store has room for ``more`` after them: this
-        cache's own store when it has the room (no copy; its columns past ``length`` are
-        overwritten), else a new store of ``ROW_CHUNK``-rounded capacity that the positions
-        are copied into once. ``shape`` is (layers, heads, d)."""
-        needed = self.length + more
-        if self.store is not None and self.store.shape[3] >= needed:
-            return SequenceCache(self.kv, self.store)
-        layers, heads, dim = shape
-        capacity = -(-needed // ROW_CHUNK) * ROW_CHUNK
-        store = torch.empty((layers, 2, heads, capacity, dim), dtype=dtype, device=device)
-        if self.kv is not None:
-            store[:, :, :, : self.length] = self.kv
-        return SequenceCache(store[:, :, :, : self.length], store)
 
 
 class LayerBuffer:
@@ -270,84 +254,3 @@ def _whole(buffers: Sequence[LayerBuffer]) -> torch.Tensor:
         return buffers[0].whole
     return torch.stack([torch.stack([b.keys, b.values]) for b in buffers])
 
-
-class RowBatch:
-    """A batch whose rows attend over their own caches: no gather, no scatter.
-
-    Row i's store gets its ``f_i`` new keys and values written in place, after its ``c_i``
-    cached positions, and its queries attend over exactly those ``c_i + f_i`` keys (causal
-    within the feed). Everything else in the forward (projections, MLP) still runs batched over
-    the right-padded feed [B, F]; padding queries get zero attention output and write nothing.
-    The gather path copies every row's whole cache in and its new part out on every forward
-    (for the default target, 20 layers at 200 positions and B = 8, that was 28 ms against a
-    20 ms forward); this pays a few small kernels per row and layer instead.
-
-    Used from one thread at a time (the model thread that runs the forward).
-    """
-
-    def __init__(self, caches: Sequence[SequenceCache], fed: Sequence[int],
-                 shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device) -> None:  # fmt: skip
-        """``shape``: (layers, kv heads, head dim) of the model's caches."""
-        self.layers = shape[0]
-        self.fed = tuple(fed)
-        self.rows = [c.with_room(f, shape, dtype, device) for c, f in zip(caches, fed, strict=True)]
-        self.start = tuple(r.length for r in self.rows)
-        self._masks: dict[int, torch.Tensor | None] = {}
-
-    def _spans(self) -> zip[tuple[SequenceCache, int, int]]:
-        """(cache, cached positions, fed positions) per row."""
-        return zip(self.rows, self.start, self.fed, strict=True)
-
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store each row's new keys / values [B, kv heads, F, d] (its first f_i columns)."""
-        for row, (cache, start, fed) in enumerate(self._spans()):
-            assert cache.store is not None
-            cache.store[layer, 0, :, start : start + fed] = keys[row, :, :fed]
-            cache.store[layer, 1, :, start : start + fed] = values[row, :, :fed]
-
-    def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of each row's real queries [B, heads, F, d] over its own keys; returns
-        [B, F, heads, d] (zeros at padding queries)."""
-        out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-        for row, (cache, start, fed) in enumerate(self._spans()):
-            assert cache.store is not None
-            keys = cache.store[layer, 0, :, : start + fed]  # [kv heads, T, d]
-            values = cache.store[layer, 1, :, : start + fed]
-            out[row, :fed] = self._attend_row(row, query[row, :, :fed], keys, values, scale)
-        return out
-
-    def _attend_row(self, row: int, query: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
-        """query [heads, f, d] over keys / values [kv heads, T, d] -> [f, heads, d]."""
-        groups = query.shape[0] // keys.shape[0]
-        if groups > 1:  # grouped-query attention: each key/value head serves ``groups`` heads
-            keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
-        scores = torch.matmul(query, keys.transpose(-1, -2)) * scale  # [heads, f, T]
-        mask = self._mask(row, scores.dtype)
-        if mask is not None:
-            scores = scores + mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        return torch.matmul(weights, values).transpose(0, 1)  # [f, heads, d]
-
-    def _mask(self, row: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """[f, T] additive causal mask of a row's feed (None for one query: it sees all keys);
-        made once per forward, shared by every layer."""
-        if row not in self._masks:
-            start, fed = self.start[row], self.fed[row]
-            if fed == 1:
-                self._masks[row] = None
-            else:
-                device = self.rows[row].store.device  # type: ignore[union-attr]
-                col = torch.arange(start + fed, device=device)[None, :]  # [1, T]
-                last = start + torch.arange(fed, device=device)[:, None]  # [f, 1]: query positions
-                self._masks[row] = torch.zeros(fed, start + fed, dtype=dtype, device=device
-                                               ).masked_fill(col > last, float("-inf"))  # fmt: skip
-        return self._masks[row]
-
-    def result(self, row: int) -> SequenceCache:
-        """Row ``row``'s cache after the forward: its cached and fed positions."""
-        cache = self.rows[row]
-        assert cache.store is not None
-        end = self.start[row] + self.fed[row]
-        return SequenceCache(cache.store[:, :, :, :end], cache.store)

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from starsd.batch import LayerBuffer, RowBatch
+from starsd.batch import LayerBuffer
+from starsd.kvpool import PooledRows
+from starsd.llama import LlamaDecoder, LlamaLayer, LlamaShape, PaddedKeyValues
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +41,18 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_positions: int | None
     device: torch.device
+    # the plain-torch forward (starsd.llama) where the model is a plain Llama; None: transformers'
+    decoder: LlamaDecoder | None = None
 
 
-def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
-    """Load a causal LM and its tokenizer from a directory (or hub id) for inference."""
+def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32",
+                   lean: bool = True) -> LoadedModel:  # fmt: skip
+    """Load a causal LM and its tokenizer from a directory (or hub id) for inference.
+
+    ``lean``: batched forwards of a plain Llama run through :mod:`starsd.llama` (its q/k/v and
+    gate/up weights are stacked once, transformers' parameters becoming views of them); False
+    keeps every forward in transformers (the ONNX export traces transformers' graph).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -60,13 +70,70 @@ def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32"
         eos_token_ids=_eos_ids(model, tokenizer),
         max_positions=_max_positions(model.config),
         device=torch.device(device),
+        decoder=llama_decoder(model) if lean else None,
     )
     log.info(
-        "loaded %s: %.2fM params, vocab %d, %s on %s, tokenizer %s",
+        "loaded %s: %.2fM params, vocab %d, %s on %s, tokenizer %s, %s forward",
         loaded.name, sum(p.numel() for p in model.parameters()) / 1e6, loaded.vocab_size,
         dtype, device, loaded.tokenizer_fingerprint,
+        "plain-torch Llama" if loaded.decoder is not None else "transformers",
     )  # fmt: skip
     return loaded
+
+
+def llama_decoder(model: Any) -> LlamaDecoder | None:
+    """The :class:`~starsd.llama.LlamaDecoder` of a transformers Llama, or None where its math
+    is not exactly what :mod:`starsd.llama` computes (another architecture, RoPE scaling, a
+    non-SiLU MLP, MLP biases, tensor-parallel slicing)."""
+    config = model.config
+    if config.model_type != "llama":
+        return None
+    rope: Any = getattr(model.model, "rotary_emb", None)
+    supported = (
+        config.hidden_act == "silu"
+        and not getattr(config, "mlp_bias", False)
+        and getattr(config, "pretraining_tp", 1) == 1
+        and rope is not None and getattr(rope, "rope_type", "default") == "default"
+    )  # fmt: skip
+    if not supported:
+        return None
+    shape = LlamaShape(config.num_attention_heads, config.num_key_value_heads,
+                       int(rope.inv_freq.shape[0] * 2), float(config.rms_norm_eps))  # fmt: skip
+    return LlamaDecoder(
+        shape=shape, embed=model.model.embed_tokens.weight.detach(),
+        layers=tuple(_llama_layer(layer) for layer in model.model.layers),
+        norm=model.model.norm.weight.detach(), lm_head=model.lm_head.weight.detach(),
+        inv_freq=rope.inv_freq.detach().float(),
+        rope_scale=float(getattr(rope, "attention_scaling", 1.0)),
+    )  # fmt: skip
+
+
+def _llama_layer(layer: Any) -> LlamaLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_bias = None
+    if attn.q_proj.bias is not None:
+        qkv_bias = _stack([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
+    return LlamaLayer(
+        input_norm=layer.input_layernorm.weight.detach(),
+        qkv=_stack([attn.q_proj, attn.k_proj, attn.v_proj], "weight"),
+        qkv_bias=qkv_bias, o=attn.o_proj.weight.detach(),
+        o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=_stack([mlp.gate_proj, mlp.up_proj], "weight"),
+        down=mlp.down_proj.weight.detach(),
+    )  # fmt: skip
+
+
+def _stack(linears: list[Any], name: str) -> torch.Tensor:
+    """The linears' ``name`` tensors stacked along dim 0, each linear's parameter then made a
+    view of its rows (one copy of the weights in memory, transformers' forward unchanged)."""
+    stacked = torch.cat([getattr(m, name).detach() for m in linears], dim=0)
+    start = 0
+    for m in linears:
+        param = getattr(m, name)
+        param.data = stacked[start : start + param.shape[0]]
+        start += param.shape[0]
+    return stacked
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -160,12 +227,12 @@ def use_decode_attention(loaded: LoadedModel) -> bool:
     return True
 
 
-# The RowBatch of the forward running on this thread (forward_rows), if any: the attention and
+# The PooledRows of the forward running on this thread (forward_rows), if any: the attention and
 # mask functions below read it (transformers gives them no handle on the cache).
 _ROWS = threading.local()
 
 
-def _rows_now() -> RowBatch | None:
+def _rows_now() -> PooledRows | None:
     return getattr(_ROWS, "batch", None)
 
 
@@ -188,7 +255,7 @@ def _decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     rows = _rows_now()
     if rows is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return rows.attend(module.layer_idx, query, scale), None
+        return rows.attend_stored(module.layer_idx, query, scale), None
     special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
     if query.shape[2] != 1 or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -221,6 +288,7 @@ def forward_batch(
     key_mask: torch.Tensor | None,
     buffers: list[LayerBuffer],
     hidden: bool = False,
+    logits_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward of a ragged batch (see :mod:`starsd.batch`) over preallocated cache buffers.
 
@@ -229,10 +297,17 @@ def forward_batch(
             T = filled columns + n (1: a real key), None without padding; buffers: one per
             layer, appended in place.
         hidden: also return the features EAGLE drafts from (see :func:`forward_with_features`).
+        logits_at: [B] the one feed column per row whose logits are wanted; None: all.
 
     Returns:
-        logits [B, n, V] float32 on CPU, and features [B, n, H] when ``hidden``.
+        logits [B, n, V] ([B, 1, V] with ``logits_at``) float32 on CPU, and features [B, n, H]
+        when ``hidden``.
     """
+    if loaded.decoder is not None:
+        logits, features = loaded.decoder.forward(
+            input_ids.to(loaded.device), positions, PaddedKeyValues(buffers, key_mask),
+            None if logits_at is None else logits_at.to(loaded.device), hidden)  # fmt: skip
+        return logits.cpu(), None if features is None else features.cpu()
     cache = _buffer_cache(buffers)
     # Without padding the mask says nothing: leave it out, so attention takes its causal path.
     mask = None if key_mask is None else key_mask.to(loaded.device)
@@ -242,7 +317,13 @@ def forward_batch(
                            position_ids=positions.to(loaded.device),
                            output_hidden_states=hidden)  # fmt: skip
     features = out.hidden_states[-1].float().cpu() if hidden else None
-    return out.logits.float().cpu(), features
+    logits = out.logits if logits_at is None else _pick(out.logits, logits_at)
+    return logits.float().cpu(), features
+
+
+def _pick(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """logits [B, n, V] at one column per row -> [B, 1, V]."""
+    return logits[torch.arange(logits.shape[0]), columns.to(logits.device)][:, None]
 
 
 def forward_explicit(
@@ -274,16 +355,17 @@ def forward_explicit(
 
 
 def uses_row_attention(loaded: LoadedModel) -> bool:
-    """Whether :func:`forward_rows` can run this model (its attention is ours: see
-    :func:`use_decode_attention`)."""
-    return bool(loaded.model.config._attn_implementation == DECODE_ATTENTION)
+    """Whether :func:`forward_rows` can run this model (its attention is ours: the plain-torch
+    Llama, or transformers' with :func:`use_decode_attention`)."""
+    ours = loaded.model.config._attn_implementation == DECODE_ATTENTION
+    return loaded.decoder is not None or bool(ours)
 
 
 def forward_rows(
-    loaded: LoadedModel, batch: RowBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+    loaded: LoadedModel, batch: PooledRows, input_ids: torch.Tensor, positions: torch.Tensor,
     hidden: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """One forward in which every row attends over its own cache (:class:`RowBatch`).
+    """One forward in which every row attends over its own cache (:class:`PooledRows`).
 
     Args:
         input_ids: [B, F] long, each row's feed then padding; positions: [B, F] position ids;
@@ -292,6 +374,10 @@ def forward_rows(
     Returns:
         logits [B, F, V] float32 on CPU, and features [B, F, H] when ``hidden``.
     """
+    if loaded.decoder is not None:
+        logits, features = loaded.decoder.forward(input_ids.to(loaded.device), positions, batch,
+                                                  hidden=hidden)  # fmt: skip
+        return logits.cpu(), None if features is None else features.cpu()
     cache = _rows_cache(batch)
     _ROWS.batch = batch
     try:
@@ -305,7 +391,7 @@ def forward_rows(
     return out.logits.float().cpu(), features
 
 
-def _rows_cache(batch: RowBatch) -> Any:
+def _rows_cache(batch: PooledRows) -> Any:
     """A transformers cache whose layers write each row's new keys into its own store."""
     from transformers.cache_utils import Cache
 
@@ -315,11 +401,11 @@ def _rows_cache(batch: RowBatch) -> Any:
 
 @functools.cache
 def _row_layer_class() -> type:
-    """transformers' DynamicLayer writing into a :class:`RowBatch` (see _buffered_layer_class)."""
+    """transformers' DynamicLayer writing into a :class:`PooledRows` (see _buffered_layer_class)."""
     from transformers.cache_utils import DynamicLayer
 
     class RowLayer(DynamicLayer):
-        def __init__(self, batch: RowBatch, index: int) -> None:
+        def __init__(self, batch: PooledRows, index: int) -> None:
             super().__init__()
             self.batch, self.index = batch, index
             self.is_initialized = True

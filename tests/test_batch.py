@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from starsd import models
-from starsd.batch import RaggedBatch, RowBatch, SequenceCache
+from starsd.batch import RaggedBatch, SequenceCache
 
 
 def test_layout_of_a_ragged_batch() -> None:
@@ -100,53 +100,3 @@ def test_a_ragged_forward_equals_each_sequence_alone(
         real = logits[i, : len(feeds[i])]
         torch.testing.assert_close(real, alone[split[i] : len(seq)], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(step[i, 0], alone[-1], atol=1e-5, rtol=1e-4)
-
-
-def test_a_growing_cache_reuses_its_store_and_leaves_the_input_positions_alone() -> None:
-    """Catches a row store that is copied every forward (the cost RowBatch exists to avoid),
-    one that grows without bound, and a write that lands inside the input cache's positions."""
-    shape = (2, 3, 4)  # layers, heads, d
-    cache = SequenceCache(torch.randn(2, 2, 3, 5, 4))
-    before = cache.kv.clone()
-    grown = cache.with_room(3, shape, torch.float32, torch.device("cpu"))
-    assert grown.store is not None and grown.store.shape[3] == 128  # one ROW_CHUNK
-    assert torch.equal(grown.kv, before) and cache.store is None  # the input is untouched
-    batch = RowBatch([grown], (3,), shape, torch.float32, torch.device("cpu"))
-    assert batch.rows[0].store is grown.store  # room enough: the same store, no copy
-    batch.write(0, torch.ones(1, 3, 3, 4), torch.ones(1, 3, 3, 4))
-    out = batch.result(0)
-    assert out.length == 8 and torch.equal(out.kv[:, :, :, :5], before)
-    assert torch.equal(out.kv[0, :, :, 5:], torch.ones(2, 3, 3, 4))
-    out.crop(6)  # a verdict keeps one of the three
-    again = out.with_room(122, shape, torch.float32, torch.device("cpu"))
-    assert again.store is out.store  # 6 + 122 = 128 fits
-    assert out.with_room(123, shape, torch.float32, torch.device("cpu")).store.shape[3] == 256
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_rows_over_their_own_caches_equal_the_padded_batch(
-    family: str, llama_pair: tuple[Path, Path], gpt2_pair: tuple[Path, Path],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Catches a RowBatch attention with a wrong causal mask (a feed token seeing later feed
-    tokens), keys written at the wrong position, or rows that see each other: logits and
-    caches of the rows path must equal the gather path's (same model, same rows)."""
-    from edge.backends.torch import TorchBackend
-
-    pair = llama_pair if family == "llama" else gpt2_pair
-    backend = TorchBackend(models.load_causal_lm(pair[0]))
-    if not backend.rows:
-        pytest.skip("this model's attention is not starsd's (not sdpa on CPU)")
-    prompts = [[5, 17, 33, 8, 9], [1], list(range(40, 52))]
-    caches = [o.cache for o in backend.forward([SequenceCache()] * 3, prompts)]
-    feeds = [[3, 4, 5, 6], [7], [8, 9]]
-    backend.rows = False
-    padded = backend.forward(caches, feeds)
-    backend.rows = True
-    monkeypatch.setattr("edge.backends.torch.ROWS_MIN_CACHED", 0)  # short caches: rows anyway
-    rows = backend.forward(caches, feeds)
-    assert all(r.cache.store is not None for r in rows)  # (the rows path ran)
-    for mine, theirs, cache in zip(rows, padded, caches, strict=True):
-        torch.testing.assert_close(mine.logits, theirs.logits, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(mine.cache.kv, theirs.cache.kv, atol=1e-5, rtol=1e-4)
-        assert cache.length + len(mine.logits) == mine.cache.length

@@ -1,15 +1,16 @@
 """The ``torch`` verifier backend: a transformers causal LM, CPU or CUDA (the default backend).
 
-Two ways to run a ragged batch, both from :mod:`starsd.batch` (the code the hub drafts with):
+Two ways to run a ragged batch:
 
-* gather: copy the rows' caches into one padded batch (:class:`~starsd.batch.RaggedBatch`), run
+* pooled (a plain Llama, which runs :mod:`starsd.llama`, or any sdpa model on CPU): every
+  sequence's cache is a slot of one :class:`~starsd.kvpool.KVPool`; a forward writes the rows'
+  new keys in place and attends over their slots, one attention per layer, with no copies of
+  whole caches (:class:`~starsd.kvpool.PooledRows`);
+* gather (elsewhere, e.g. transformers' own attention on CUDA): copy the rows' caches into one
+  padded batch (:class:`~starsd.batch.RaggedBatch`, the code the hub drafts with), run
   :func:`starsd.models.forward_batch` once, scatter every row's cache back out. The feed is
   padded on the right (batch.py explains why: a padding query that saw no key would turn into
-  NaN and poison the real rows);
-* rows (CPU, once the caches are long enough): each row writes its new keys into its own
-  growing store and attends over it (:class:`~starsd.batch.RowBatch`), with no copies of whole
-  caches. The default pair at 200 tokens, 8 sequences alone: 430-454 tok/s against 320-327 with
-  the gather (alternated runs); at 64 tokens the gather was ahead, hence ROWS_MIN_CACHED.
+  NaN and poison the real rows).
 """
 
 from __future__ import annotations
@@ -21,12 +22,8 @@ import torch
 
 from edge.backends.base import ModelInfo, RowOutput
 from starsd import models
-from starsd.batch import RaggedBatch, RowBatch, SequenceCache
-
-# Mean cached positions per row from which rows attend over their own caches: below it, copying
-# the caches into one padded batch costs less than the per-row attention kernels (default target,
-# 1 thread, B = 2 and 8, feeds of 1 and 5: even at 32 positions, ahead from 64 on, 1.6-1.9x at 256).
-ROWS_MIN_CACHED = 64
+from starsd.batch import RaggedBatch, SequenceCache
+from starsd.kvpool import KVPool, PooledRows
 
 
 class TorchBackend:
@@ -41,11 +38,12 @@ class TorchBackend:
                               loaded.max_positions)  # fmt: skip
         self.kv_shapes = models.kv_shapes(loaded)  # (kv heads, head dim) per layer
         self.dtype = next(loaded.model.parameters()).dtype
-        # Rows attend over their own caches where the model's attention is ours (CPU): no
-        # gather / scatter copies (starsd.batch.RowBatch). Elsewhere the padded batch.
-        self.rows = models.use_decode_attention(loaded) or models.uses_row_attention(loaded)
+        # Caches in one pool where the model's attention is ours (starsd.llama, or transformers'
+        # with StarSD's attention on CPU): no gather / scatter copies. Elsewhere the padded batch.
+        pooled = models.use_decode_attention(loaded) or models.uses_row_attention(loaded)
         heads, dim = self.kv_shapes[0]
         self.cache_shape = (len(self.kv_shapes), heads, dim)
+        self.pool = KVPool(self.cache_shape, self.dtype, loaded.device) if pooled else None
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu",
@@ -73,8 +71,8 @@ class TorchBackend:
     def forward(self, caches: Sequence[SequenceCache], feeds: Sequence[Sequence[int]],
                 features: bool = False) -> list[RowOutput]:  # fmt: skip
         """One padded forward of every row; see :meth:`VerifierBackend.forward`."""
-        if self.rows and sum(c.length for c in caches) >= ROWS_MIN_CACHED * len(caches):
-            return self._forward_rows(caches, feeds, features)
+        if self.pool is not None:
+            return self._forward_pooled(self.pool, caches, feeds, features)
         batch = RaggedBatch(tuple(c.length for c in caches), tuple(len(f) for f in feeds), 0)
         buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.loaded.device)
         logits, hidden = models.forward_batch(
@@ -85,12 +83,13 @@ class TorchBackend:
                           batch.scatter(buffers, row, 0))
                 for row, fed in enumerate(batch.fed)]  # fmt: skip
 
-    def _forward_rows(self, caches: Sequence[SequenceCache], feeds: Sequence[Sequence[int]],
-                      features: bool) -> list[RowOutput]:  # fmt: skip
-        """Every row over its own cache: the new positions are written into the row's store
-        (after its cached ones, so the input caches' positions stay as they are)."""
+    def _forward_pooled(self, pool: KVPool, caches: Sequence[SequenceCache],
+                        feeds: Sequence[Sequence[int]],
+                        features: bool) -> list[RowOutput]:  # fmt: skip
+        """Every row in its pool slot: the new positions are written after its cached ones (so
+        the input caches' positions stay as they are)."""
         fed = tuple(len(f) for f in feeds)
-        rows = RowBatch(caches, fed, self.cache_shape, self.dtype, self.loaded.device)
+        rows = PooledRows(pool, caches, fed)
         layout = RaggedBatch(rows.start, fed, 0)  # for the padded ids and the positions
         logits, hidden = models.forward_rows(self.loaded, rows, layout.input_ids(feeds),
                                              layout.feed_positions(), hidden=features)  # fmt: skip

@@ -1,0 +1,217 @@
+"""A Llama decoder's cached forward in plain torch: the hub drafts and the target verifies with it.
+
+transformers' Llama runs the same math through a dozen modules, decorators and cache objects per
+layer. At StarSD's model sizes a forward is mostly that Python (1-2 layers of width 128: one
+decode step took 0.9-1.0 ms through transformers and 0.5 ms here; the 20-layer default target
+8.4-9.0 ms and 4.2 ms; one thread, same process, alternated), so the drafting engine and the
+verifier call this instead wherever the model is a plain Llama (:func:`starsd.models.
+load_causal_lm` decides, and falls back to transformers for anything else, e.g. GPT-2).
+
+The math is transformers' ``LlamaForCausalLM`` op for op (RMSNorm in float32, rotate-half RoPE
+from the model's own ``inv_freq``, SiLU-gated MLP, residuals in the same order), so greedy
+output equals ``generate()``: the tests compare logits with transformers' forward and tokens
+with ``generate()``. Two changes of layout, not of math: q/k/v are one matmul and gate/up one
+(the weights are concatenated once, and transformers' own parameters are made views of them, so
+the model's memory does not double), and a forward computes the LM head only where its caller
+reads logits.
+
+Where keys live is the caller's choice, through a :class:`KeyValues`: :class:`PaddedKeyValues`
+(a gathered, padded batch; :mod:`starsd.batch`) or :class:`starsd.kvpool.PooledRows` (every row in
+its slot of one pool). This module imports no transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from starsd.batch import LayerBuffer
+
+
+@dataclass(frozen=True)
+class LlamaLayer:
+    """One decoder layer's weights, as ``F.linear`` takes them ([out, in])."""
+
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(h + 2 kv) d, H]: q, k and v projections stacked
+    qkv_bias: torch.Tensor | None  # [(h + 2 kv) d] (attention_bias models), else None
+    o: torch.Tensor  # [H, h d]
+    o_bias: torch.Tensor | None  # [H]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]: gate then up
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """Head counts and constants of the decoder."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+    @property
+    def scale(self) -> float:
+        """Attention's score scale, head_dim ** -0.5 (Llama's)."""
+        return float(self.head_dim**-0.5)
+
+
+class KeyValues(Protocol):
+    """Where a forward's keys and values go, and what each query attends over."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:  # fmt: skip
+        """Store this layer's new k, v [B, kv, F, d]; attention of q [B, h, F, d] over each
+        row's keys (its cached ones, then its feed, causal); returns [B, F, h, d]."""
+        ...
+
+
+@dataclass(frozen=True)
+class LlamaDecoder:
+    """The weights of a Llama causal LM, ready for :meth:`forward` (no transformers objects)."""
+
+    shape: LlamaShape
+    embed: torch.Tensor  # [V, H]
+    layers: tuple[LlamaLayer, ...]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    inv_freq: torch.Tensor  # [d / 2] float32: RoPE's frequencies (the model's own buffer)
+    rope_scale: float = 1.0  # transformers' attention_scaling of cos and sin (1 for default)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValues,
+                logits_at: torch.Tensor | None = None,
+                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """One cached forward of a ragged batch.
+
+        Args:
+            input_ids, positions: [B, F] long (padding included; ``kv`` knows what is real).
+            kv: the cache the new keys go into and attention reads.
+            logits_at: [B] feed column per row whose logits are wanted (the others are not
+                computed), or None for every column.
+            hidden: also return the last hidden state after the final norm (EAGLE's features).
+
+        Returns:
+            logits [B, F, V] (or [B, 1, V] with ``logits_at``), and [B, F, H] features or None.
+        """
+        x = self.embed[input_ids]  # [B, F, H]
+        cos, sin = self._rotary(positions)  # [B, 1, F, d]
+        for index, layer in enumerate(self.layers):
+            x = self._layer(index, layer, x, cos, sin, kv)
+        out = rms_norm(x, self.norm, self.shape.eps)  # [B, F, H]
+        picked = out if logits_at is None else out[torch.arange(out.shape[0]), logits_at][:, None]
+        return F.linear(picked, self.lm_head).float(), (out.float() if hidden else None)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, F, d] at ``positions`` [B, F] (as transformers' LlamaRotaryEmbedding:
+        float32 angles, ``cat((freqs, freqs))``)."""
+        freqs = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # [B, F, d/2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, F, d]
+        dtype = self.embed.dtype
+        cos, sin = angles.cos(), angles.sin()
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        return cos.to(dtype), sin.to(dtype)
+
+    def _layer(self, index: int, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, kv: KeyValues) -> torch.Tensor:  # fmt: skip
+        """x [B, F, H] -> [B, F, H]: attention and MLP, each with its residual."""
+        s = self.shape
+        b, f, _ = x.shape
+        qkv = F.linear(rms_norm(x, layer.input_norm, s.eps), layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.view(b, f, s.heads + 2 * s.kv_heads, s.head_dim).transpose(1, 2).split(
+            [s.heads, s.kv_heads, s.kv_heads], dim=1)  # [B, h | kv | kv, F, d]  # fmt: skip
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        attended = kv.attend(index, q, k, v, s.scale).reshape(b, f, s.heads * s.head_dim)
+        x = x + F.linear(attended, layer.o, layer.o_bias)
+        gate, up = F.linear(rms_norm(x, layer.post_norm, s.eps), layer.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of the last dimension, computed in float32 (transformers' order)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Swap and negate the two halves of the last dimension (Llama's rotary convention)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PaddedKeyValues:
+    """:class:`KeyValues` over a gathered batch (:meth:`starsd.batch.RaggedBatch.gather`).
+
+    Every row's keys sit in one padded buffer per layer; ``key_mask`` [B, T_max] (1: a real key,
+    None: no padding) says which columns are real once this forward's columns are appended. Each
+    fed query sees the real keys up to its own column. Made once per forward: the mask is built
+    at the first layer and shared by the others.
+    """
+
+    def __init__(self, buffers: Sequence[LayerBuffer], key_mask: torch.Tensor | None) -> None:
+        self.buffers = buffers
+        self.key_mask = key_mask
+        self._allowed: torch.Tensor | None = None
+        self._built = False
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:  # fmt: skip
+        """See :meth:`KeyValues.attend`."""
+        first = self.buffers[layer].filled
+        keys, values = self.buffers[layer].append(k, v)  # [B, kv, T, d]
+        allowed = self._mask(first, q.shape[2], keys.shape[2], q.device)
+        return attention(q, keys, values, allowed, scale)
+
+    def _mask(self, first: int, fed: int, columns: int,
+              device: torch.device) -> torch.Tensor | None:  # fmt: skip
+        """[B | 1, 1, F, T] bool (True: attend), or None when every query sees every key."""
+        if not self._built:
+            self._built = True
+            causal = None
+            if fed > 1:  # query j sits at column first + j and sees the columns up to it
+                col = torch.arange(columns, device=device)
+                causal = col[None, :] <= first + torch.arange(fed, device=device)[:, None]
+            real = None
+            if self.key_mask is not None:
+                real = self.key_mask[:, :columns].to(device=device, dtype=torch.bool)
+            if causal is not None and real is not None:
+                self._allowed = causal[None, None] & real[:, None, None, :]
+            elif causal is not None:
+                self._allowed = causal[None, None]
+            elif real is not None:
+                self._allowed = real[:, None, None, :]
+        return self._allowed
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              allowed: torch.Tensor | None, scale: float) -> torch.Tensor:  # fmt: skip
+    """q [B, h, F, d] over keys / values [B, kv, T, d] where ``allowed`` [B | 1, 1, F, T]
+    (None: everywhere) -> [B, F, h, d].
+
+    Grouped KV heads attend without copying the cache: the ``h / kv`` query heads of a KV head
+    are folded into its query rows. One query per row (a decode step) takes two batched matmuls,
+    which on CPU beat sdpa's kernel for small heads; longer feeds take sdpa.
+    """
+    b, h, f, d = q.shape
+    kv = keys.shape[1]
+    group = h // kv
+    q = q.reshape(b, kv, group * f, d)  # [B, kv, g F, d]: query heads of one KV head together
+    if allowed is not None and group > 1:
+        allowed = allowed.repeat(1, 1, group, 1) if f > 1 else allowed  # rows g F, as q's
+    if f == 1:
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, kv, g, T]
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(weights, values)  # [B, kv, g, d]
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale)
+    return out.view(b, h, f, d).transpose(1, 2)  # [B, F, h, d]
