@@ -74,6 +74,7 @@ class TargetConfig:
     backend: str = BACKENDS[0]
     providers: str | None = None  # onnxruntime: e.g. "tensorrt,cuda,cpu" (default: that order)
     max_batch: int = 32  # rows per batched forward
+    gather: bool = True  # a forward waits for the proposals due within one forward's time
     device: str = "cpu"
     dtype: str = "float32"
     threads: int = 1
@@ -270,7 +271,7 @@ async def _run_all(config: TargetConfig, backend: VerifierBackend, requests: lis
                    client: HubPool | None, stats: BatchStats | None) -> list[Result]:  # fmt: skip
     """Every request through one engine, ``concurrency`` sequences in flight."""
     limit = asyncio.Semaphore(config.concurrency)
-    async with Batcher(backend, config.max_batch, stats=stats) as batcher:
+    async with Batcher(backend, config.max_batch, stats=stats, gather=config.gather) as batcher:
         engine = Engine(backend, batcher, client, config.gamma, config.fallback)
         log.info("verifying with the %s backend, up to %d rows per forward, %d sequences in "
                  "flight", getattr(backend, "name", type(backend).__name__), config.max_batch,
@@ -345,6 +346,10 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                                        "(default tensorrt,cuda,cpu: those this build has)")
     p.add_argument("--max-batch", type=int, default=TargetConfig.max_batch,
                    help="most sequences verified (or stepped) in one forward")
+    p.add_argument("--gather", action=argparse.BooleanOptionalAction,
+                   default=TargetConfig.gather,
+                   help="before a forward, wait (at most one forward's time) for the "
+                        "proposals due back from the hub by then: one forward for all of them")
     p.add_argument("--device", default=TargetConfig.device)
     p.add_argument("--dtype", default=TargetConfig.dtype, choices=sorted(models.DTYPES))
     p.add_argument("--threads", type=int, default=TargetConfig.threads, help="torch threads")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
+from starsd.gather import Returns
 from starsd.hub.drafters.base import ChainState, DraftJob
 from starsd.hub.engine import DraftingEngine
-from starsd.hub.gather import Returns
 from starsd.hub.scheduler import FairQueue
 from starsd.protocol import SamplingParams
 

@@ -267,6 +267,34 @@ async def test_max_batch_caps_rows_per_forward(backend: TorchBackend) -> None:
         Batcher(backend, max_batch=0)
 
 
+@pytest.mark.parametrize("gather", [True, False])
+async def test_a_proposal_due_shortly_joins_the_forward(backend: TorchBackend,
+                                                        gather: bool) -> None:  # fmt: skip
+    """Catches a batcher that verifies whatever waits the moment the model thread is free, so
+    a target's sequences split into groups that take turns (half the rows per forward, twice
+    the forwards: measured at --concurrency 8 through a hub), and one that waits for a
+    sequence that is not coming: a proposal due within one forward's time is waited for, an
+    overdue one is not."""
+    async with Batcher(backend, max_batch=8, gather=gather) as batcher:
+        a, b, late = (TargetSequence(backend, p, GREEDY, 50) for p in PROMPTS[:3])
+        await batcher.verify(late, [], None)  # (late's next proposal will never come)
+        await asyncio.sleep(0.02)
+        await batcher.verify(late, [], None)
+        await batcher.verify(a, [], None)  # A's DRAFT goes out ...
+        await asyncio.sleep(0.02)
+        await batcher.verify(a, [], None)  # ... and its proposal comes back 20 ms later: R_A
+        batcher.forward_s = 0.5  # the window: generous, so a slow machine cannot flake
+        forwards = batcher.stats.forwards
+        started = asyncio.get_running_loop().time()
+        b_done = asyncio.ensure_future(batcher.verify(b, [], None))
+        await asyncio.sleep(0.01)  # B waits (gathering) for A, due back 20 ms after its DRAFT
+        await asyncio.sleep(0.01)
+        await asyncio.gather(b_done, batcher.verify(a, [], None))
+        took = asyncio.get_running_loop().time() - started
+    assert batcher.stats.forwards - forwards == (1 if gather else 2)
+    assert took < 0.4  # late (overdue after 0.25 R) was not waited for: not the whole window
+
+
 async def test_a_bad_or_cancelled_sequence_does_not_disturb_its_batch_mates(
     backend: TorchBackend,
 ) -> None:

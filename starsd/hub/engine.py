@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from starsd import protocol
+from starsd.gather import Returns
 from starsd.hub.drafters.base import DraftJob, Proposer
-from starsd.hub.gather import Returns
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import SessionTable
 from starsd.protocol import Error, Proposal
@@ -77,7 +77,7 @@ class DraftingEngine:
 
     def _gathered(self, batch: list[DraftJob]) -> list[DraftJob]:
         """``batch`` plus the jobs of sessions whose verdicts are due within one batch's
-        service time (see :mod:`starsd.hub.gather`): one batch instead of two in turn."""
+        service time (see :mod:`starsd.gather`): one batch instead of two in turn."""
         assert self.returns is not None
         for job in batch:
             self.returns.arrived(job.tag, job.enqueued_at)
