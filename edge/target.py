@@ -77,6 +77,7 @@ class TargetConfig:
     gather: bool = True  # a forward waits for the proposals due within one forward's time
     device: str = "cpu"
     dtype: str = "float32"
+    forward: str = "auto"  # torch backend: "transformers" turns the plain-torch Llama forward off
     threads: int = 1
     deadline_ms: float = 500.0  # wait this long for a proposal, then decode a token alone
     resync_s: float = 5.0
@@ -340,19 +341,7 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                    help="0: the hub's choice (per round under --gamma auto); N: always N")
     p.add_argument("--concurrency", type=int, default=TargetConfig.concurrency)
     p.add_argument("--standalone", action="store_true", help="no hub: the baseline")
-    p.add_argument("--backend", default=TargetConfig.backend, choices=BACKENDS,
-                   help="model runtime (onnxruntime: an export made by python -m edge.export)")
-    p.add_argument("--providers", help="onnxruntime: execution providers to try, in order "
-                                       "(default tensorrt,cuda,cpu: those this build has)")
-    p.add_argument("--max-batch", type=int, default=TargetConfig.max_batch,
-                   help="most sequences verified (or stepped) in one forward")
-    p.add_argument("--gather", action=argparse.BooleanOptionalAction,
-                   default=TargetConfig.gather,
-                   help="before a forward, wait (at most one forward's time) for the "
-                        "proposals due back from the hub by then: one forward for all of them")
-    p.add_argument("--device", default=TargetConfig.device)
-    p.add_argument("--dtype", default=TargetConfig.dtype, choices=sorted(models.DTYPES))
-    p.add_argument("--threads", type=int, default=TargetConfig.threads, help="torch threads")
+    _runtime_arguments(p)
     p.add_argument("--deadline-ms", type=float, default=TargetConfig.deadline_ms,
                    help="longest wait for a proposal before decoding a token without the hub")
     p.add_argument("--resync-s", type=float, default=TargetConfig.resync_s,
@@ -375,13 +364,39 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
         p.error(exc.message)
     if config.concurrency < 1:
         p.error("--concurrency must be >= 1")
-    if config.max_batch < 1:
-        p.error("--max-batch must be >= 1")
-    if config.providers is not None and config.backend != "onnxruntime":
-        p.error("--providers applies to --backend onnxruntime only")
+    _check_runtime(p, config)
     if config.serve:
         _check_serve(p, config)
     return config
+
+
+def _runtime_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model runtime")
+    g.add_argument("--backend", default=TargetConfig.backend, choices=BACKENDS,
+                   help="model runtime (onnxruntime: an export made by python -m edge.export)")
+    g.add_argument("--providers", help="onnxruntime: execution providers to try, in order "
+                                       "(default tensorrt,cuda,cpu: those this build has)")
+    g.add_argument("--max-batch", type=int, default=TargetConfig.max_batch,
+                   help="most sequences verified (or stepped) in one forward")
+    g.add_argument("--gather", action=argparse.BooleanOptionalAction,
+                   default=TargetConfig.gather,
+                   help="before a forward, wait (at most one forward's time) for the "
+                        "proposals due back from the hub by then: one forward for all of them")
+    g.add_argument("--device", default=TargetConfig.device)
+    g.add_argument("--dtype", default=TargetConfig.dtype, choices=sorted(models.DTYPES))
+    g.add_argument("--forward", default=TargetConfig.forward, choices=models.FORWARDS,
+                   help="torch backend: auto runs a plain Llama through StarSD's plain-torch "
+                        "forward (starsd/llama.py); transformers: always transformers' own")
+    g.add_argument("--threads", type=int, default=TargetConfig.threads, help="torch threads")
+
+
+def _check_runtime(p: argparse.ArgumentParser, config: TargetConfig) -> None:
+    if config.max_batch < 1:
+        p.error("--max-batch must be >= 1")
+    if config.forward != "auto" and config.backend != "torch":
+        p.error("--forward applies to the torch backend")
+    if config.providers is not None and config.backend != "onnxruntime":
+        p.error("--providers applies to --backend onnxruntime only")
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -446,7 +461,9 @@ def _serve(config: TargetConfig) -> int:
 def open_backend(config: TargetConfig) -> VerifierBackend | None:
     """The target's backend (torch threads set first), or None once the error is printed."""
     torch.set_num_threads(config.threads)
-    options = {} if config.providers is None else {"providers": config.providers}
+    options: dict[str, Any] = {} if config.providers is None else {"providers": config.providers}
+    if config.forward != "auto":
+        options["forward"] = config.forward
     try:
         return load_backend(config.backend, config.model, config.device, config.dtype, **options)
     except (BackendUnavailable, ValueError) as exc:  # an unknown provider, a refused export...

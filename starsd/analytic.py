@@ -290,24 +290,31 @@ def best_gamma(expected: Sequence[float], costs: Sequence[float], outside: Seque
     own(g) = E[L(g)] / (S(B, g) + outside[g]), alone 1 / T_alone. Under-loaded: argmax own over
     0..G. Fully loaded: among g >= 1 with own(g) >= 1 / T_alone, argmax E[L(g)] / (S(B, g) / B),
     its tokens per second of hub time (its share of the batch); 0 if there is none. Ties go to
-    the shorter gamma.
+    the shorter gamma (and to drafting over decoding alone).
     """
+    return pick_gamma(gamma_rates(expected, costs, outside, alone_s, batch, loaded))
+
+
+def gamma_rates(expected: Sequence[float], costs: Sequence[float], outside: Sequence[float],
+                alone_s: float | None, batch: int, loaded: bool) -> list[float]:  # fmt: skip
+    """What :func:`best_gamma` ranks, for g = 0..G: under-loaded own(g) (index 0: 1 / T_alone,
+    0 when never alone); fully loaded the tokens per hub second of each g that pays for the
+    session, -1 for those that do not, and 0 at index 0 (alone: chosen when none pays)."""
     top = min(len(expected), len(costs), len(outside)) - 1
     alone = 1.0 / alone_s if alone_s else 0.0
-    best, best_rate = 0, -1.0  # (a strictly better rate moves on: ties keep the shorter)
+    own = [expected[g] / (costs[g] + outside[g]) for g in range(1, top + 1)]
     if not loaded:
-        for g in range(1, top + 1):
-            rate = expected[g] / (costs[g] + outside[g])  # own(g)
-            if rate > best_rate:
-                best, best_rate = g, rate
-        return 0 if alone > best_rate else best
+        return [alone, *own]
     share = max(batch, 1)
-    for g in range(1, top + 1):
-        if expected[g] / (costs[g] + outside[g]) >= alone:  # it pays for the session
-            rate = expected[g] * share / max(costs[g], 1e-12)  # tokens per hub second
-            if rate > best_rate:
-                best, best_rate = g, rate
-    return best
+    return [0.0, *[expected[g] * share / max(costs[g], 1e-12) if own[g - 1] >= alone else -1.0
+                   for g in range(1, top + 1)]]  # fmt: skip
+
+
+def pick_gamma(rates: Sequence[float]) -> int:
+    """The best of :func:`gamma_rates`: the highest rate, the shorter gamma on a tie, and
+    decoding alone (index 0) only when strictly ahead of every gamma."""
+    best = max(range(1, len(rates)), key=lambda g: (rates[g], -g))
+    return 0 if rates[0] > rates[best] else best
 
 
 def at_gamma(inputs: ModelInputs, gamma: int) -> ModelInputs:

@@ -24,6 +24,8 @@ from starsd.llama import LlamaDecoder, LlamaLayer, LlamaShape, PaddedKeyValues
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# --forward: "auto" runs a plain Llama through starsd.llama, "transformers" always transformers'
+FORWARDS = ("auto", "transformers")
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET_DIR = _REPO_ROOT / "models" / "starsd-target"
 DEFAULT_DRAFT_DIR = _REPO_ROOT / "models" / "starsd-draft"

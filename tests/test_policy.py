@@ -196,6 +196,24 @@ def test_measured_alone_step_decides_gamma_0() -> None:
     assert policy.choose(s, IDLE) == 0
 
 
+def test_a_gamma_near_the_best_is_kept_and_a_clearly_worse_one_is_left() -> None:
+    """Catches a bare argmax over noisy estimates: on a flat optimum (alpha 0.7, 20 ms round
+    trip: gammas 3..6 within a few percent) the choice flapped round by round, and each flap to
+    a short gamma or to decoding alone cost 7-40% (measured: auto 0.92x the best fixed gamma
+    at N = 8 without hysteresis). A gamma far from the best is still left at once, or the
+    policy could not follow a change of acceptance."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G))
+    bare = GammaPolicy(PolicyParams(max_gamma=G, hysteresis=0.0))
+    s = _session(policy, 0.7, 0.020)
+    best = bare.choose(s, IDLE)  # 6 here: 126.5 tok/s, 7 126.4, 4 123.6, 3 116.1
+    for near in (best - 2, best + 1):  # within 5% of the best: kept
+        s.chosen = near
+        assert policy.choose(s, IDLE) == near
+        assert bare.choose(s, IDLE) == best
+    s.chosen = 1  # far below it: left for the best at once
+    assert policy.choose(s, IDLE) == best
+
+
 def test_next_round_warms_up_probes_and_backs_off() -> None:
     """Catches deciding before the estimate has data, a probe that is not a draft, spans that
     never grow while speculation keeps failing, and spans that stay long once it pays again."""

@@ -46,10 +46,13 @@ class TorchBackend:
         self.pool = KVPool(self.cache_shape, self.dtype, loaded.device) if pooled else None
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str = "cpu",
-             dtype: str = "float32") -> TorchBackend:  # fmt: skip
-        """Load ``model_dir`` (a transformers causal-LM directory) for verification."""
-        return cls(models.load_causal_lm(model_dir, device, dtype))
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
+             forward: str = "auto") -> TorchBackend:  # fmt: skip
+        """Load ``model_dir`` (a transformers causal-LM directory) for verification; ``forward``
+        "transformers" keeps transformers' own forward even for a plain Llama."""
+        if forward not in models.FORWARDS:
+            raise ValueError(f"forward must be one of {models.FORWARDS}, got {forward!r}")
+        return cls(models.load_causal_lm(model_dir, device, dtype, lean=forward == "auto"))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt (the tokenizer's own special-token convention)."""
@@ -105,6 +108,7 @@ def _rows(hidden: torch.Tensor | None, row: int, fed: int) -> torch.Tensor | Non
     return None if hidden is None else hidden[row, :fed]
 
 
-def load(model_dir: str | Path, device: str = "cpu", dtype: str = "float32") -> TorchBackend:
+def load(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
+         forward: str = "auto") -> TorchBackend:  # fmt: skip
     """The factory's entry point (see :func:`edge.backends.load_backend`)."""
-    return TorchBackend.load(model_dir, device, dtype)
+    return TorchBackend.load(model_dir, device, dtype, forward)

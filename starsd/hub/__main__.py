@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--max-gamma", type=int, default=HubConfig.max_gamma)
     p.add_argument("--device", default=HubConfig.device, help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default=HubConfig.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--forward", default=HubConfig.forward, choices=models.FORWARDS,
+                   help="auto: a plain Llama runs StarSD's plain-torch forward (starsd/llama.py); "
+                        "transformers: always transformers' own")
     p.add_argument("--max-sessions", type=int, default=HubConfig.max_sessions)
     p.add_argument("--max-sessions-per-target", type=int,
                    default=HubConfig.max_sessions_per_target)  # fmt: skip

@@ -56,7 +56,8 @@ def load_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
     """The proposer of ``config.draft_kind`` and the tokenizer it drafts in."""
     if config.draft_kind == "eagle":
         return _eagle_proposer(config)
-    draft = models.load_causal_lm(config.model, config.device, config.dtype)
+    draft = models.load_causal_lm(config.model, config.device, config.dtype,
+                                  lean=config.forward == "auto")
     info = models.TokenizerInfo(draft.name, draft.vocab_size, draft.tokenizer_fingerprint,
                                 draft.max_positions)  # fmt: skip
     if config.draft_kind == "null":

@@ -21,6 +21,7 @@ class HubConfig:
     max_gamma: int = 16
     device: str = "cpu"
     dtype: str = "float32"
+    forward: str = "auto"  # auto: the plain-torch Llama forward where it applies; transformers
     max_sessions: int = 256
     max_sessions_per_target: int = 64
     threads: int = 1

@@ -40,7 +40,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from starsd.analytic import best_gamma
+from starsd.analytic import gamma_rates, pick_gamma
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,10 @@ class PolicyParams:
     prior_weight: float = 2.0  # pseudo-observations behind the prior (per position, and pooled)
     forget: float = 0.93  # per verdict: an observation's weight after n more is forget**n
     loaded_busy: float = 0.95  # busy fraction of recent batches that means fully loaded
+    # keep the last gamma while the best one is at most this much better: the estimates are
+    # noisy and the optimum is flat (alpha 0.7: gamma 3..5 within 1.5% of each other), so a
+    # bare argmax flaps, and each flap to a short gamma or to decoding alone costs 7-40%
+    hysteresis: float = 0.05
     alone_tokens: int = 16  # the first span a session decodes alone
     max_alone: int = 256  # the longest span (consecutive spans double)
 
@@ -65,6 +69,8 @@ class PolicyParams:
             raise ValueError("forget must be in (0, 1) and prior_alpha in [0, 1]")
         if not 1 <= self.alone_tokens <= self.max_alone:
             raise ValueError("need 1 <= alone_tokens <= max_alone")
+        if self.hysteresis < 0:
+            raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
 
 
 class AcceptanceEstimate:
@@ -345,11 +351,18 @@ class GammaPolicy:
         return g
 
     def choose(self, s: SessionPacing, load: Load, allow_alone: bool = True) -> int:
-        """The rule of the module docstring: :func:`starsd.analytic.best_gamma` (the analytic
-        model's auto gamma applies the same function) on this session's figures."""
+        """The rule of the module docstring (:func:`starsd.analytic.best_gamma`, which the
+        analytic model's auto gamma applies too) on this session's figures, with hysteresis:
+        the last gamma stays while the best is within ``hysteresis`` of it."""
         r0, r1 = s.round_trip.coefficients()
         top = min(self.params.max_gamma, len(load.costs) - 1)
         outside = [s.wait + r0 + r1 * g for g in range(top + 1)]
         expected = s.estimate.expected_tokens()
-        return best_gamma(expected, load.costs, outside, s.step_alone() if allow_alone else None,
-                          load.batch, load.loaded)  # fmt: skip
+        rates = gamma_rates(expected, load.costs, outside,
+                            s.step_alone() if allow_alone else None, load.batch,
+                            load.loaded)  # fmt: skip
+        best, last = pick_gamma(rates), s.chosen
+        if 0 <= last < len(rates) and rates[last] > 0:
+            if rates[last] * (1.0 + self.params.hysteresis) >= rates[best]:
+                return last
+        return best
