@@ -362,7 +362,7 @@ class GammaPolicy:
                             s.step_alone() if allow_alone else None, load.batch,
                             load.loaded)  # fmt: skip
         best, last = pick_gamma(rates), s.chosen
-        if 0 <= last < len(rates) and rates[last] > 0:
-            if rates[last] * (1.0 + self.params.hysteresis) >= rates[best]:
-                return last
+        near = 0 <= last < len(rates) and rates[last] > 0
+        if near and rates[last] * (1.0 + self.params.hysteresis) >= rates[best]:
+            return last
         return best
