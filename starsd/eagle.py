@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from starsd.batch import LayerBuffer
+from starsd.llama import rms_norm, rotate_half  # Llama's own, shared with the draft LLM's forward
 from starsd.models import DTYPES  # one dtype table for every model we load
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -178,10 +179,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension of ``x``."""
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotary(
@@ -193,12 +191,6 @@ def rotary(
     freqs = positions.float()[..., None] * inv_freq  # [..., n, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [..., n, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Swap and negate the two halves of the last dimension (Llama's rotary convention)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):

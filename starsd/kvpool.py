@@ -83,17 +83,17 @@ class KVPool:
         return self._views.get(cache)
 
     def adopt(self, cache: SequenceCache, room: int) -> SequenceCache:
-        """A view of ``cache``'s positions in this pool with room for ``room`` more: its own
-        slot when it is already here (no copy), else a new slot it is copied into once."""
-        slot = self.slot_of(cache)
-        if slot is None:
-            slot = self._reserve()
+        """``cache`` itself when it is already here (room made, no copy: a growth re-points
+        it), else a view of a new slot its positions are copied into once; room for ``room``
+        more positions either way."""
+        if self.slot_of(cache) is not None:
             self.fit(cache.length + room)
-            assert self.whole is not None
-            if cache.kv is not None:
-                self.whole[:, :, slot.index, :, : cache.length] = cache.kv
-        else:
-            self.fit(cache.length + room)
+            return cache
+        slot = self._reserve()
+        self.fit(cache.length + room)
+        assert self.whole is not None
+        if cache.kv is not None:
+            self.whole[:, :, slot.index, :, : cache.length] = cache.kv
         return self.view(slot, cache.length)
 
     def view(self, slot: Slot, length: int) -> SequenceCache:

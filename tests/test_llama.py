@@ -153,3 +153,15 @@ def test_grouped_heads_attend_like_repeated_keys(groups: int) -> None:
     one = attention(q[:, :, :1], keys, values, allowed[:, :, :1], 0.5)  # the decode-step path
     torch.testing.assert_close(one, want[:, :1], atol=1e-6, rtol=1e-5)
 
+
+
+def test_an_unknown_forward_is_refused_at_start() -> None:
+    """Catches a hub or target built in code with a misspelt forward, which would silently run
+    transformers' forward instead of failing."""
+    from edge.backends.torch import TorchBackend
+    from starsd.hub.config import HubConfig
+
+    with pytest.raises(ValueError, match="forward must be one of"):
+        HubConfig(model="m", forward="plain")
+    with pytest.raises(ValueError, match="forward must be one of"):
+        TorchBackend.load("m", forward="plain")

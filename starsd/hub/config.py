@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from starsd.hub import auth
+from starsd.models import FORWARDS
 
 AUTO_START_GAMMA = 4  # --gamma auto: a session's first rounds, until its estimate has data
 
@@ -46,6 +47,8 @@ class HubConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {FORWARDS}, got {self.forward!r}")
         if self.predraft_branches < 0:
             raise ValueError(f"predraft_branches must be >= 0, got {self.predraft_branches}")
         if self.predraft_max_in_flight < 1:
