@@ -99,6 +99,7 @@ class TargetInfo:
     vocab_size: int
     tokenizer: str
     feature_width: int = 0  # > 0: this target can send its features (for EAGLE hubs)
+    push: int = 0  # pushed branches per round its sessions take (Open.push; 0: none)
 
 
 class HubClient:
@@ -256,7 +257,8 @@ class HubClient:
         ref = next(self._refs)
         inbox: asyncio.Queue[protocol.Message] = asyncio.Queue()
         self._waiting[ref] = inbox
-        msg = Open(ref, np.asarray(prompt, dtype=np.int32), params, gamma, features)
+        msg = Open(ref, np.asarray(prompt, dtype=np.int32), params, gamma, features,
+                   push=self.info.push)  # fmt: skip
         try:
             await transport.send(self.sock, msg)
             reply = await asyncio.wait_for(inbox.get(), timeout)
@@ -274,11 +276,12 @@ class HubClient:
 
     async def draft(
         self, tag: bytes, seq: int, accepted: int, appended: list[int],
-        features: np.ndarray | None = None,
+        features: np.ndarray | None = None, taken: int = 0,
     ) -> None:  # fmt: skip
-        """Send the verdict on proposal ``seq - 1`` and ask for proposal ``seq``."""
+        """Send the verdict on proposal ``seq - 1`` and ask for proposal ``seq`` (or, with
+        ``taken``, say that the pushed branch of that many tokens is proposal ``seq``)."""
         ids = np.asarray(appended, dtype=np.int32)
-        await transport.send(self.sock, Draft(tag, seq, accepted, ids, features))
+        await transport.send(self.sock, Draft(tag, seq, accepted, ids, features, taken))
 
     async def stats(self, timeout: float = 10.0) -> Stats:
         """The hub's counters (STATS_REQUEST -> STATS)."""

@@ -31,6 +31,7 @@ import re
 
 import zmq.asyncio
 
+from edge.backends.base import ModelInfo
 from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
 from starsd import curve_client, protocol
 
@@ -85,6 +86,17 @@ class HubPool:
         curves = curves or [None] * len(endpoints)
         pairs = zip(endpoints, curves, strict=True)
         return cls([HubClient(ctx, endpoint, info, curve) for endpoint, curve in pairs])
+
+    @classmethod
+    def for_model(
+        cls, ctx: zmq.asyncio.Context, endpoints: tuple[str, ...], model: ModelInfo, push: int,
+        curves: list[curve_client.CurveClientConfig | None] | None = None,
+    ) -> HubPool:  # fmt: skip
+        """:meth:`create` for a target running ``model`` (what HELLO says of it), whose
+        sessions take ``push`` pushed branches per round."""
+        info = TargetInfo(model.name, model.vocab_size, model.tokenizer_fingerprint,
+                          model.hidden_size, push)  # fmt: skip
+        return cls.create(ctx, endpoints, info, curves)
 
     @property
     def up(self) -> bool:

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 
 from edge import openai_api as api
 from edge.backends.base import VerifierBackend
-from edge.client import HubError, HubUnavailable, TargetInfo
+from edge.client import HubError, HubUnavailable
 from edge.generation import Delta, Engine, Generation, Job, NewSequence, ServeConfig
 from edge.hubs import HubPool
 from edge.metrics import TargetMetrics
@@ -59,6 +59,8 @@ class ServerConfig(ServeConfig, Protocol):
     def curves(self) -> list[curve_client.CurveClientConfig | None]: ...
     @property
     def standalone(self) -> bool: ...
+    @property
+    def push(self) -> int: ...
     @property
     def host(self) -> str: ...
     @property
@@ -324,10 +326,7 @@ async def serving(config: ServerConfig, target: VerifierBackend,
 
 
 def _hub_pool(ctx: Any, config: ServerConfig, target: VerifierBackend) -> HubPool:
-    model = target.info
-    info = TargetInfo(model.name, model.vocab_size, model.tokenizer_fingerprint,
-                      model.hidden_size)  # fmt: skip
-    return HubPool.create(ctx, config.hubs, info, config.curves)
+    return HubPool.for_model(ctx, config.hubs, target.info, config.push, config.curves)
 
 
 async def _serve_forever(config: ServerConfig, target: VerifierBackend,

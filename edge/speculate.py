@@ -64,6 +64,10 @@ class HubSession:
     expected: int = 0  # seq of the proposal we wait for
     asked_at: float = field(default_factory=time.monotonic)
     replaces: HubClient | None = None  # the lost hub this session took over from, until it speaks
+    # Pushed branches (Open.push) by (seq, accepted, appended token): collected while the
+    # proposal before them is verified; the one its verdict matches is verified next, at once.
+    branches: dict[tuple[int, int, int], Proposal] = field(default_factory=dict)
+    taken: Proposal | None = None
 
 
 async def generate_speculative(
@@ -169,7 +173,8 @@ async def _round(
 ) -> tuple[HubSession | None, bool]:
     """Handle the next message of ``session`` (or a standalone step if none is due in time)."""
     client = session.client
-    msg = await _next(session, fallback.deadline_s)
+    taken, session.taken = session.taken, None
+    msg = taken or await _next(session, fallback.deadline_s)
     if msg is None:
         await standalone_step(seq, batcher)
         if time.monotonic() - session.asked_at > fallback.resync_s:
@@ -181,6 +186,9 @@ async def _round(
     if isinstance(msg, Error):
         return await _session_error(client, session, msg)
     assert isinstance(msg, Proposal)
+    if msg is not taken and msg.branch is not None:
+        _hold(session, msg, session.expected + 1)  # (proposal ``expected`` was asked for)
+        return session, False
     if msg.seq != session.expected:
         return session, False  # a duplicate or a stale proposal: never applied twice
     if session.replaces is not None:
@@ -256,8 +264,36 @@ async def _answer(
         await client.close_session(session.tag)
         return False
     features = seq.features(synced - 1, seq.committed - 1) if client.wants_features else None
-    await client.draft(session.tag, session.expected, accepted, appended, features)
+    session.taken = _branch_for(session, accepted, appended)
+    taken = len(session.taken.tokens) if session.taken is not None else 0
+    await client.draft(session.tag, session.expected, accepted, appended, features, taken)
     return True
+
+
+def _hold(session: HubSession, branch: Proposal, open_from: int) -> None:
+    """Keep a pushed branch for a proposal not asked for yet (``seq`` >= ``open_from``); one
+    for a proposal already asked for came too late and is dropped."""
+    assert branch.branch is not None
+    if branch.seq >= open_from:
+        session.branches[(branch.seq, *branch.branch)] = branch
+
+
+def _branch_for(session: HubSession, accepted: int, appended: list[int]) -> Proposal | None:
+    """The pushed branch for proposal ``session.expected`` that holds after this verdict
+    (``accepted`` drafts kept, then ``appended``), or None; the others are dropped."""
+    inbox, others = session.inbox, []
+    while not inbox.empty():  # (no await in here: nothing else reads or writes the inbox)
+        msg = inbox.get_nowait()
+        if isinstance(msg, Proposal) and msg.branch is not None:
+            _hold(session, msg, session.expected)
+        else:
+            others.append(msg)
+    for msg in others:  # errors and the rest go back, in their order
+        inbox.put_nowait(msg)
+    key = (session.expected, accepted, appended[0]) if len(appended) == 1 else None
+    branch = session.branches.get(key) if key is not None else None
+    session.branches = {k: b for k, b in session.branches.items() if k[0] > session.expected}
+    return branch
 
 
 def usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], torch.Tensor | None]:

@@ -39,7 +39,7 @@ import zmq.asyncio
 from edge.backends import BACKENDS, BackendUnavailable, load_backend
 from edge.backends.base import VerifierBackend
 from edge.batcher import Batcher, BatchStats
-from edge.client import HubError, HubUnavailable, TargetInfo
+from edge.client import HubError, HubUnavailable
 from edge.engine import Engine
 from edge.hubs import HubPool, parse_hub_endpoints
 from edge.speculate import Fallback
@@ -80,6 +80,9 @@ class TargetConfig:
     forward: str = "auto"  # torch backend: "transformers" turns the plain-torch Llama forward off
     threads: int = 1
     deadline_ms: float = 500.0  # wait this long for a proposal, then decode a token alone
+    # the hub's pre-drafted branches each session takes pushed per round (0: only asked-for
+    # proposals): a verdict that matches one is verified at once, without a hub round trip
+    push: int = 4
     resync_s: float = 5.0
     curve_secret: str | None = None
     hub_public_key: str | None = None
@@ -253,10 +256,7 @@ async def run_with_hub(
 
 def hub_pool(ctx: zmq.asyncio.Context, config: TargetConfig, backend: VerifierBackend) -> HubPool:
     """One client per ``--hub`` endpoint (not connected yet)."""
-    model = backend.info
-    info = TargetInfo(model.name, model.vocab_size, model.tokenizer_fingerprint,
-                      model.hidden_size)  # fmt: skip
-    return HubPool.create(ctx, config.hubs, info, config.curves)
+    return HubPool.for_model(ctx, config.hubs, backend.info, config.push, config.curves)
 
 
 async def run_standalone(
@@ -346,6 +346,9 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                    help="longest wait for a proposal before decoding a token without the hub")
     p.add_argument("--resync-s", type=float, default=TargetConfig.resync_s,
                    help="re-open a hub session silent for this long")
+    p.add_argument("--push", type=int, default=TargetConfig.push,
+                   help="branches the hub pre-drafts that each session takes pushed ahead of "
+                        f"its verdict (0..{protocol.MAX_PUSH}; 0: none)")
     p.add_argument("--curve-secret", help="this target's key pair (starsd keys generate)")
     p.add_argument("--hub-public-key",
                    help="the hub's public .key file (several hubs: one for all, or one per "
@@ -364,6 +367,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
         p.error(exc.message)
     if config.concurrency < 1:
         p.error("--concurrency must be >= 1")
+    if not 0 <= config.push <= protocol.MAX_PUSH:
+        p.error(f"--push must be in 0..{protocol.MAX_PUSH}, got {config.push}")
     _check_runtime(p, config)
     if config.serve:
         _check_serve(p, config)

@@ -42,6 +42,7 @@ PROTOCOL_VERSION = 2
 # heartbeat timeout all use it
 LIVENESS_INTERVALS = 3
 MAX_APPENDED = 1024  # tokens a target may commit between two rounds (one DRAFT)
+MAX_PUSH = 64  # pushed branches per round a target may ask for (Open.push)
 EPOCH_BYTES = 8  # random per hub process; every hub reply carries it
 TAG_BYTES = 16  # 128 random bits, minted by the hub
 MAX_HEADER_BYTES = 64 * 1024
@@ -123,6 +124,9 @@ class Open:
     gamma: int
     # EAGLE hubs only: [n_prompt - 1, H] target features of every prompt position but the last
     features: np.ndarray | None = field(default=None, repr=False, metadata=_array(_FLOATS, 2))
+    # > 0: the target takes up to this many pushed branches per round (conditional PROPOSALs,
+    # see Proposal.if_accepted); 0 or absent: proposals only when asked (older targets)
+    push: int = field(default=0, metadata={"sparse": True})
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,9 @@ class Draft:
     # EAGLE hubs only: [accepted + n_appended, H] features of the positions committed since the
     # last message, up to but excluding the new last token (the target has not run it yet)
     features: np.ndarray | None = field(default=None, repr=False, metadata=_array(_FLOATS, 2))
+    # > 0: the target already holds proposal ``seq``, the pushed branch for exactly this verdict
+    # (``taken`` tokens), and is verifying it: the hub commits that branch and sends nothing
+    taken: int = field(default=0, metadata={"sparse": True})
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,13 @@ class Proposal:
     ``alone`` > 0 comes with no tokens (gamma 0: speculation does not pay for this sequence
     now): the target decodes that many tokens itself (fewer if it stops first), then sends its
     DRAFT with accepted 0 and those tokens appended.
+
+    A *pushed branch* (``if_accepted`` >= 0, sessions opened with ``push``) is proposal ``seq``
+    drafted ahead, before the verdict on ``seq - 1`` exists: it holds only if that verdict is
+    ``accepted = if_accepted`` with the one token ``if_appended`` appended. A target whose verdict
+    matches verifies it at once and sends its DRAFT with ``taken`` = len(tokens); otherwise it
+    drops the branch and asks as usual. Its tokens and q are exactly what the hub would draft
+    after that verdict, so verifying it is as lossless as an asked-for proposal.
     """
 
     TYPE: ClassVar[int] = 6
@@ -175,6 +189,14 @@ class Proposal:
     epoch: bytes = b""
     # tokens to decode alone before the next DRAFT (with no tokens only); sent only when > 0
     alone: int = field(default=0, metadata={"sparse": True})
+    # a pushed branch: the verdict on seq - 1 it is drafted after (-1: an asked-for proposal)
+    if_accepted: int = field(default=-1, metadata={"sparse": True})
+    if_appended: int = field(default=-1, metadata={"sparse": True})
+
+    @property
+    def branch(self) -> tuple[int, int] | None:
+        """The verdict (accepted, appended token) a pushed branch holds for; None if asked for."""
+        return None if self.if_accepted < 0 else (self.if_accepted, self.if_appended)
 
 
 @dataclass(frozen=True)

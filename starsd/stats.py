@@ -26,6 +26,7 @@ class TargetStats:
     queue_wait_s: float = 0.0  # summed time jobs waited in Q_in before drafting started
     jobs: int = 0
     predraft_hits: int = 0  # jobs answered from a pre-drafted branch (no model work)
+    taken: int = 0  # of which the target had taken the pushed branch (no wait for the hub)
     errors: int = 0
 
     def record_verdict(self, proposed: int, accepted: int) -> None:
@@ -64,6 +65,11 @@ class TargetStats:
         return self.predraft_hits / self.jobs if self.jobs else 0.0
 
     @property
+    def taken_rate(self) -> float:
+        """Share of jobs whose target verified a pushed branch without waiting for the hub."""
+        return self.taken / self.jobs if self.jobs else 0.0
+
+    @property
     def mean_queue_wait_ms(self) -> float:
         return 1000.0 * self.queue_wait_s / self.jobs if self.jobs else 0.0
 
@@ -73,7 +79,7 @@ class TargetStats:
             f"mean_accepted={self.mean_accepted:.2f} acceptance={self.acceptance_rate:.3f} "
             f"gamma={self.mean_gamma:.2f} gamma0={self.alone_fraction:.3f} "
             f"queue_wait_ms={self.mean_queue_wait_ms:.2f} predraft_hits={self.hit_rate:.2f} "
-            f"errors={self.errors}"
+            f"taken={self.taken_rate:.2f} errors={self.errors}"
         )
 
 
@@ -121,6 +127,8 @@ class HubStats:
     unauthenticated: int = 0  # messages refused for a key not (or no longer) allowed
     over_budget: int = 0  # messages dropped unread: their peer sent faster than its budget
     predraft_s: float = 0.0  # the drafting thread's time pre-drafting, while no job waited
+    pushed: int = 0  # pre-drafted branches sent to their targets ahead of the verdict
+    push_late: int = 0  # branches finished only after their verdict came (not pushed)
     by_size: dict[int, tuple[int, float]] = field(default_factory=dict)  # B -> (count, seconds)
     errors_by_code: dict[str, int] = field(default_factory=dict)  # ERROR replies sent, by code
     recent: BusyWindow = field(default_factory=BusyWindow)  # busy fraction, last ~2 s
@@ -173,7 +181,7 @@ class HubStats:
             f"messages={self.messages} errors_sent={self.errors_sent} "
             f"expired={self.sessions_expired} dropped={self.sessions_dropped} "
             f"unauthenticated={self.unauthenticated} over_budget={self.over_budget} "
-            f"predraft_s={self.predraft_s:.2f}"
+            f"predraft_s={self.predraft_s:.2f} pushed={self.pushed} push_late={self.push_late}"
         )
 
 

@@ -23,7 +23,7 @@ from starsd.gather import Returns
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import SessionTable
-from starsd.protocol import Error, Proposal
+from starsd.protocol import Error, ErrorCode, Proposal
 from starsd.stats import HubStats
 
 if TYPE_CHECKING:  # the engine only calls it; build.py makes one for draft-LLM hubs
@@ -54,6 +54,8 @@ class DraftingEngine:
         self.send = send
         self.stats = stats
         self.thread = threading.Thread(target=self.run, name="drafter")
+        if predrafter is not None:
+            predrafter.connect_push(self._push)
 
     def start(self) -> None:
         """Start the drafting thread; it ends once Q_in is closed and empty."""
@@ -95,8 +97,8 @@ class DraftingEngine:
     def _serve(self, batch: list[DraftJob]) -> None:
         started, cpu_started = time.perf_counter(), time.thread_time()
         hits = self._answered(batch)  # from pre-drafted branches: no model work
-        results = dict(hits)
-        drafted = [i for i in range(len(batch)) if i not in hits]
+        results = {**hits, **_lost_branches(batch, hits)}
+        drafted = [i for i in range(len(batch)) if i not in results]
         if drafted:
             with self.lock:
                 self.stats.batch_started = started
@@ -128,7 +130,9 @@ class DraftingEngine:
                  hit: bool) -> bool:  # fmt: skip
         """Update the session and send ``result`` (lock held); True if a proposal went out."""
         proposed = len(result.tokens) if isinstance(result, Proposal) else None
-        session = self.table.delivered(job.tag, job.seq, proposed)
+        taken = hit and job.taken > 0  # (the table moved on when the DRAFT came)
+        session = (self.table.sessions.get(job.tag) if taken
+                   else self.table.delivered(job.tag, job.seq, proposed))  # fmt: skip
         if session is None:  # closed while drafting: nothing to send, state is already dropped
             return False
         peer = self.table.peers.get(session.routing_id)
@@ -136,7 +140,9 @@ class DraftingEngine:
             peer.stats.jobs += 1
             peer.stats.queue_wait_s += started - job.enqueued_at
             peer.stats.predraft_hits += hit
-        sent = self.send(session.routing_id, result)
+            peer.stats.taken += taken
+        # (a taken branch is the proposal its target is verifying already: nothing to send)
+        sent = taken or self.send(session.routing_id, result)
         if not sent and proposed is not None:  # (an error result ended its session already)
             # The target will not see this proposal: free the state now; the target re-opens
             # from its own tokens when its DRAFT gets UNKNOWN_SESSION or its deadline passes.
@@ -161,10 +167,35 @@ class DraftingEngine:
         """Sessions whose proposals went out: their likely verdicts are pre-drafted when idle."""
         if self.predrafter is not None:
             for job in sent:
-                self.predrafter.offer(job.tag, job.state)
+                self.predrafter.offer(job.tag, job.state, job.seq + 1, job.push)
+
+    def _push(self, tag: bytes, proposals: list[Proposal]) -> int:
+        """Send a session's pushed branches to its target (drafting thread, from the
+        pre-drafter); how many went out. None once its verdict is in: too late to help."""
+        with self.lock:
+            session = self.table.sessions.get(tag)
+            if session is None or session.in_flight:
+                self.stats.push_late += len(proposals)
+                return 0
+            sent = 0
+            while sent < len(proposals) and self.send(session.routing_id, proposals[sent]):
+                sent += 1
+            self.stats.pushed += sent
+            return sent
 
     def _predraft(self) -> None:
         assert self.predrafter is not None
         self.predrafter.step()
         with self.lock:
             self.stats.predraft_s = self.predrafter.stats.busy_s
+
+
+def _lost_branches(batch: list[DraftJob], hits: dict[int, Proposal | Error]
+                   ) -> dict[int, Proposal | Error]:  # fmt: skip
+    """Jobs whose target took a pushed branch the hub no longer holds (rare: its waiting
+    sessions are bounded): the session cannot be kept in step, so it ends and its target
+    re-opens from its own tokens. Drafting it afresh could differ from the branch (batched
+    float rounding) and leave the hub's tokens silently wrong."""
+    return {i: Error(ErrorCode.UNKNOWN_SESSION, "the pushed branch this verdict took is no "
+                     "longer held; re-open the session", tag=job.tag, seq=job.seq)
+            for i, job in enumerate(batch) if job.taken and i not in hits}  # fmt: skip

@@ -245,6 +245,8 @@ class PacedPredrafter:
         pacing = paced.pacing_of(job)
         if pacing is None:
             return self.inner.answer(job)  # type: ignore[no-any-return]
+        if job.taken:  # the target verifies a pushed branch already: its gamma is decided
+            return self._taken(job, pacing)
         gamma, _ = paced.decide(job, pacing, paced.current_load(), paced.clock())
         if pacing.pending is not None:
             return None
@@ -254,14 +256,23 @@ class PacedPredrafter:
             paced.sent(pacing, len(hit.tokens), paced.clock())
         return hit
 
-    def offer(self, tag: bytes, state: Any) -> None:
+    def _taken(self, job: DraftJob, pacing: SessionPacing) -> Proposal | None:
+        """A verdict whose target took a pushed branch: learn from it, commit the branch."""
+        paced = self.paced
+        now = paced.clock()
+        paced._learn(job, pacing, now)
+        hit: Proposal | None = self.inner.answer(job)
+        paced.sent(pacing, len(hit.tokens) if hit is not None else -1, now)
+        return hit
+
+    def offer(self, tag: bytes, state: Any, seq: int = 0, push: int = 0) -> None:
         """Pre-draft the session's likely verdicts, unless its proposal out is a span alone."""
         with self.paced.lock:
             session = self.paced.table.sessions.get(tag)
             held = session is not None and session.pacing is not None and (
                 session.pacing.pending is not None)  # fmt: skip
         if not held:
-            self.inner.offer(tag, state)
+            self.inner.offer(tag, state, seq, push)
 
 
 def _pending(job: DraftJob) -> Pending:

@@ -35,6 +35,7 @@ apart from the session's cache) and at most ``max_sessions`` sessions waiting fo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -56,7 +57,10 @@ class Waiting:
 
     tag: bytes
     state: LlmState
+    seq: int = 0  # the seq of the proposal its branches are (the verdict's DRAFT seq)
+    push: int = 0  # branches its target takes pushed (Open.push; 0: none)
     branches: dict[tuple[int, int], LlmRow] = field(default_factory=dict)
+    pushed: dict[tuple[int, int], int] = field(default_factory=dict)  # (k, c) -> tokens sent
 
 
 @dataclass
@@ -67,6 +71,8 @@ class PredraftStats:
     answered: int = 0  # verdicts of sessions that had been offered for pre-drafting
     branches: int = 0  # branches drafted
     late_hits: int = 0  # hits whose branch was still being drafted (finished on the spot)
+    pushed: int = 0  # branches sent to their targets ahead of the verdict
+    taken: int = 0  # verdicts whose target had already taken a pushed branch
     busy_s: float = 0.0  # time spent pre-drafting (off the critical path by construction)
 
 
@@ -91,19 +97,27 @@ class Predrafter:
         self.to_draft: list[tuple[Waiting, LlmRow]] = []
         self.running: tuple[Iterator[None], list[tuple[Waiting, LlmRow]]] | None = None
         self.stats = PredraftStats()
+        # sends a session's pushed branches (tag, proposals) and returns how many went out;
+        # set by the engine (it owns the sockets and the lock); None: nothing is pushed
+        self.push: Callable[[bytes, list[Proposal]], int] | None = None
 
     # ------------------------------------------------------------------ the engine's calls
 
-    def offer(self, tag: bytes, state: LlmState) -> None:
-        """Session ``tag`` just got a proposal: pre-draft its likely verdicts when idle."""
+    def offer(self, tag: bytes, state: LlmState, seq: int = 0, push: int = 0) -> None:
+        """Session ``tag`` just got a proposal: pre-draft its likely verdicts when idle, which
+        will come in DRAFT ``seq``; push up to ``push`` of the branches to its target."""
         if not state.proposed or len(state.alternatives) != len(state.proposed):
             return
         self.waiting.pop(tag, None)
         while len(self.waiting) >= self.max_sessions:
             self.waiting.popitem(last=False)
-        waiting = Waiting(tag, state)
+        waiting = Waiting(tag, state, seq, push)
         self.waiting[tag] = waiting
         self.to_probe.append(waiting)
+
+    def connect_push(self, send: Callable[[bytes, list[Proposal]], int]) -> None:
+        """Push branches to the targets that take them through ``send`` (the engine's)."""
+        self.push = send
 
     def has_work(self) -> bool:
         """Whether a pre-draft step would do anything, and is worth doing at this load."""
@@ -127,11 +141,16 @@ class Predrafter:
         if waiting is None or waiting.state is not job.state:
             return None
         self.stats.answered += 1
-        branch = self._match(waiting, job) or self._finish_for(waiting, job)
+        if job.taken:  # the target holds the pushed branch already: only that one will do
+            branch, gamma = self._pushed(waiting, job), job.taken
+        else:
+            branch = self._match(waiting, job) or self._finish_for(waiting, job)
+            gamma = self._gamma(waiting.state, len(waiting.state.tokens) + job.accepted + 1)
         if branch is None:
             return None
         self.stats.hits += 1
-        return self._take(job, branch)
+        self.stats.taken += bool(job.taken)
+        return self._take(job, branch, gamma)
 
     def step(self) -> None:
         """One forward of pre-draft work: advance a branch batch, probe, or start a batch."""
@@ -187,10 +206,35 @@ class Predrafter:
     def _keep(self, items: list[tuple[Waiting, LlmRow]]) -> None:
         """The running batch is done: keep each live session's branches."""
         self.running = None
+        fresh: dict[bytes, list[LlmRow]] = {}
         for waiting, row in items:
             if self._alive(waiting):
                 waiting.branches[_key(row)] = row
                 self.stats.branches += 1
+                fresh.setdefault(waiting.tag, []).append(row)
+        for tag, rows in fresh.items():
+            self._push(self.waiting[tag], rows)
+
+    def _push(self, waiting: Waiting, rows: list[LlmRow]) -> None:
+        """Send the session's new branches (most likely first) to its target, as many as it
+        takes: a verdict that matches one is then verified without waiting for the hub."""
+        room = waiting.push - len(waiting.pushed)
+        if self.push is None or room <= 0:
+            return
+        state, proposals = waiting.state, []
+        for row in rows[:room]:  # each at this round's gamma (a branch may reach one further)
+            gamma = min(row.gamma, self._gamma(state, len(state.tokens) + row.job.accepted + 1))
+            if gamma >= 1:
+                proposals.append(_branch_proposal(row, gamma, state))
+        for proposal in proposals[: self.push(waiting.tag, proposals)]:
+            assert proposal.branch is not None
+            waiting.pushed[proposal.branch] = len(proposal.tokens)
+            self.stats.pushed += 1
+
+    def _pushed(self, waiting: Waiting, job: DraftJob) -> LlmRow | None:
+        """The branch a DRAFT with ``taken`` says its target took: pushed with that length."""
+        key = (job.accepted, job.appended[0])
+        return waiting.branches.get(key) if waiting.pushed.get(key) == job.taken else None
 
     def _probe(self) -> None:
         """The draft's alternatives for the bonus token, then every session's best branches."""
@@ -225,7 +269,7 @@ class Predrafter:
             return None
         prefix = min(state.cache.length, len(state.tokens) + k)  # as apply_verdict would crop
         generator = torch.Generator().set_state(state.generator.get_state())
-        job = DraftJob(waiting.tag, -1, state, k, (token,))
+        job = DraftJob(waiting.tag, waiting.seq, state, k, (token,))
         return LlmRow(job, gamma, feed=committed[prefix:], source=state.cache.prefix(prefix),
                       whole=False, generator=generator, alternatives=[])  # fmt: skip
 
@@ -238,14 +282,14 @@ class Predrafter:
             return None
         return row
 
-    def _take(self, job: DraftJob, row: LlmRow) -> Proposal:
-        """Commit the verdict and the branch into the session: what drafting would have done.
+    def _take(self, job: DraftJob, row: LlmRow, gamma: int) -> Proposal:
+        """Commit the verdict and the branch's first ``gamma`` (<= row.gamma) tokens into the
+        session: what drafting would have done.
 
         A round at a shorter gamma than the branch's takes its first ``gamma`` tokens: the
         same tokens, q rows, KV positions and generator state as drafting them would give.
         """
         state: LlmState = job.state
-        gamma = self._gamma(state, len(state.tokens) + job.accepted + 1)  # <= row.gamma
         prefix = min(state.cache.length, len(state.tokens) + job.accepted)
         commit_verdict(state, job.accepted, job.appended)
         assert row.cache is not None
@@ -267,6 +311,14 @@ class Predrafter:
 
     def _running_items(self) -> list[tuple[Waiting, LlmRow]]:
         return self.running[1] if self.running else []
+
+
+def _branch_proposal(row: LlmRow, gamma: int, state: LlmState) -> Proposal:
+    """Branch ``row``'s first ``gamma`` tokens as a pushed PROPOSAL, with the verdict it holds
+    for (the same tokens and q rows that answering that verdict from it sends)."""
+    k, token = _key(row)
+    proposal = make_proposal(row.job, row.tokens[:gamma], row.q_rows[:gamma], state.params)
+    return dataclasses.replace(proposal, if_accepted=k, if_appended=token)
 
 
 def _key(row: LlmRow) -> tuple[int, int]:

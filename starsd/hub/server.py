@@ -359,7 +359,7 @@ class Hub:
                 session = self.table.draft(peer, msg)
                 self.budget.refund(peer.routing_id)  # accepted work is bounded already
                 appended = tuple(msg.appended.tolist())
-                self._enqueue(session, msg.seq, msg.accepted, appended, msg.features)
+                self._enqueue(session, msg.seq, msg.accepted, appended, msg.features, msg.taken)
                 return []
             case Close(tag=tag):
                 self._unqueue([self.table.close(peer, tag)])
@@ -405,8 +405,9 @@ class Hub:
             self.q_in.remove(session.owner, _job_of(session.tag))
 
     def _enqueue(self, session: Session, seq: int, accepted: int, appended: tuple[int, ...],
-                 features: np.ndarray | None) -> None:  # fmt: skip
-        job = DraftJob(session.tag, seq, session.state, accepted, appended, features=features)
+                 features: np.ndarray | None, taken: int = 0) -> None:  # fmt: skip
+        job = DraftJob(session.tag, seq, session.state, accepted, appended, features=features,
+                       taken=taken, push=session.push)  # fmt: skip
         self.q_in.put(session.owner, job)
 
     # ------------------------------------------------------------------ reporting

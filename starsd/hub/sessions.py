@@ -75,6 +75,7 @@ class Session:
     in_flight: bool = True  # a job for it is queued or being drafted
     last_gamma: int = 0  # tokens in the proposal the next verdict refers to
     gamma_fixed: bool = True  # False: --gamma auto chooses each round's gamma
+    push: int = 0  # pushed branches per round its target takes (Open.push; 0: none)
     # --gamma auto's per-session state (starsd.hub.policy.SessionPacing): set on the session's
     # first job by the drafting thread under the lock, then the drafting thread's (as ``state``)
     pacing: Any = None
@@ -138,7 +139,7 @@ class SessionTable:
         tag = secrets.token_bytes(protocol.TAG_BYTES)
         state = new_state(msg.prompt.tolist(), msg.sampling, gamma)
         session = Session(tag=tag, owner=peer.key, routing_id=peer.routing_id, state=state,
-                          length=msg.prompt.size,
+                          length=msg.prompt.size, push=msg.push,
                           gamma_fixed=msg.gamma != 0 or not self.limits.auto_gamma)  # fmt: skip
         self.sessions[tag] = session
         self.owned_by[peer.key] = self.owned_by.get(peer.key, 0) + 1
@@ -156,7 +157,12 @@ class SessionTable:
         session.length += msg.accepted + msg.appended.size
         if session.routing_id != peer.routing_id:  # the owner reconnected (same CURVE key)
             self._move(session, peer)
-        session.in_flight = True
+        if msg.taken:  # its target holds proposal seq (a pushed branch) and verifies it now:
+            # the next verdict may come before the drafting thread commits the branch, and
+            # queues behind this job (one FIFO per target), so the session moves on at once
+            session.next_seq, session.last_gamma = msg.seq + 1, msg.taken
+        else:
+            session.in_flight = True
         return session
 
     def close(self, peer: Peer, tag: bytes) -> Session:
@@ -224,6 +230,8 @@ class SessionTable:
                 f"hub nearly full; this target already holds its share ({held} sessions)")
         if gamma != 0 and not 1 <= gamma <= limits.max_gamma:  # (0: the hub's choice)
             return ErrorCode.INVALID_ARGUMENT, f"gamma {gamma} outside 1..{limits.max_gamma}"
+        if not 0 <= msg.push <= protocol.MAX_PUSH:
+            return ErrorCode.INVALID_ARGUMENT, f"push {msg.push} outside 0..{protocol.MAX_PUSH}"
         problem = self._token_problem(msg.prompt, allow_empty=False)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, f"prompt: {problem}"
@@ -259,6 +267,9 @@ class SessionTable:
         problem = self._token_problem(msg.appended, allow_empty=True)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, f"appended: {problem}"
+        problem = self._taken_problem(session, msg)
+        if problem:
+            return ErrorCode.INVALID_ARGUMENT, problem
         if self._full(session.length + msg.accepted + msg.appended.size):
             return ErrorCode.CONTEXT_FULL, "draft context is full"
         return self._feature_problem(msg.features, msg.accepted + msg.appended.size)
@@ -271,6 +282,19 @@ class SessionTable:
         values = ids.tolist()  # min/max of a list: numpy reductions cost more on a few tokens
         if min(values) < 0 or max(values) >= self.limits.vocab_size:
             return f"token id outside 0..{self.limits.vocab_size - 1}"
+        return None
+
+    def _taken_problem(self, session: Session, msg: Draft) -> str | None:
+        """A DRAFT that took a pushed branch must fit one: the session asked for pushes, the
+        verdict appends one token, and the branch's length is a gamma the hub could draft."""
+        if not msg.taken:
+            return None
+        if not session.push:
+            return "taken: this session was opened without push"
+        if msg.appended.size != 1:
+            return f"taken: a branch follows one appended token, not {msg.appended.size}"
+        if not 1 <= msg.taken <= self.limits.max_gamma:
+            return f"taken {msg.taken} outside 1..{self.limits.max_gamma}"
         return None
 
     def _feature_problem(self, features: np.ndarray | None, rows: int) -> tuple[str, str] | None:

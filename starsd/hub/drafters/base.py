@@ -62,6 +62,10 @@ class DraftJob(Generic[S]):
     appended: tuple[int, ...]
     enqueued_at: float = field(default_factory=time.perf_counter)
     features: np.ndarray | None = None  # EAGLE: [n, H] target features that came with it
+    # > 0: the target took the pushed branch for this verdict (its length): commit it, send
+    # nothing; only a pre-drafter answers such a job (Draft.taken)
+    taken: int = 0
+    push: int = 0  # pushed branches per round the session's target takes (Open.push)
 
 
 class Proposer(Protocol[S]):
