@@ -2,7 +2,7 @@
 assisted generation and the in-process centralized loop (run by ``scripts/bench.py --suite
 main``).
 
-Six modes on the same committed pair, the same prompts, greedy, each measured ``reps`` times,
+Seven modes on the same committed pair, the same prompts, greedy, each measured ``reps`` times,
 the order rotating from one repetition to the next (A B C ..., B C ... A, ...: this machine's
 speed drifts), medians reported and compared:
 
@@ -13,13 +13,15 @@ speed drifts), medians reported and compared:
 * ``centralized``: draft and target in one process, the hub's proposer and the edge's verifier
   called directly (``bench.bench_centralized``), gamma fixed.
 * ``hub-defaults``: ``python -m starsd.hub`` with its defaults (pre-drafting on, ``--gamma
-  auto``) and one ``edge.target`` process opening with gamma 0 (the hub's choice).
+  auto``) and one ``edge.target`` process opening with gamma 0 (the hub's choice) and its
+  defaults (``--push 4``: the hub's branches pushed ahead of the verdict);
+* ``hub-defaults-no-push``: the same, the target with ``--push 0`` (``feature_effects.push``);
 * ``hub-gamma4-no-predraft``: the same hub pinned with ``--gamma 4 --predraft-branches 0``;
   and the two hubs between, one feature each: ``hub-auto-no-predraft`` (``--predraft-branches
   0``) and ``hub-gamma4-predraft`` (``--gamma 4``), so that each feature's effect shows with
   the other on and off (``feature_effects``).
 
-Both hubs are started once and serve one fresh target process per repetition; a target's rate is
+The hubs are started once and serve one fresh target process per repetition; a target's rate is
 its sequences' tokens over their own decoding time (process start-up excluded), as in the other
 multi-process modes. Targets: the hub with its defaults >= 1.1x hf-assisted and >= 0.95x
 centralized. Each hub's log gives its target's pre-draft hit rate and queue wait.
@@ -42,12 +44,15 @@ from starsd import models
 HF, CENTRAL = "hf-assisted", "centralized"
 HUB_DEFAULTS, HUB_PINNED = "hub-defaults", "hub-gamma4-no-predraft"
 HUB_AUTO_ONLY, HUB_PREDRAFT_ONLY = "hub-auto-no-predraft", "hub-gamma4-predraft"
-HUB_ARGS = {HUB_DEFAULTS: [], HUB_AUTO_ONLY: ["--predraft-branches", "0"],
+HUB_NO_PUSH = "hub-defaults-no-push"  # the hub's defaults, the target's --push 0
+HUB_ARGS = {HUB_DEFAULTS: [], HUB_NO_PUSH: [], HUB_AUTO_ONLY: ["--predraft-branches", "0"],
             HUB_PREDRAFT_ONLY: ["--gamma", "4"],
             HUB_PINNED: ["--gamma", "4", "--predraft-branches", "0"]}  # fmt: skip
+TARGET_ARGS = {HUB_NO_PUSH: ["--push", "0"]}  # (every other mode: the target's defaults)
 MODES = (HF, CENTRAL, *HUB_ARGS)
 # (name, mode with the feature, mode without it): each feature with the other on, then off
-FEATURES = (("predraft_under_auto", HUB_DEFAULTS, HUB_AUTO_ONLY),
+FEATURES = (("push", HUB_DEFAULTS, HUB_NO_PUSH),
+            ("predraft_under_auto", HUB_DEFAULTS, HUB_AUTO_ONLY),
             ("predraft_at_gamma4", HUB_PREDRAFT_ONLY, HUB_PINNED),
             ("auto_with_predraft", HUB_DEFAULTS, HUB_PREDRAFT_ONLY),
             ("auto_without_predraft", HUB_AUTO_ONLY, HUB_PINNED))
@@ -96,9 +101,11 @@ def hf_assisted(target: models.LoadedModel, draft: models.LoadedModel, prompts: 
     return {"tokens_per_s": tokens / seconds, "token_ids": ids}
 
 
-def measure_target(run_target: RunTarget, endpoint: str, tag: str) -> dict[str, Any]:
-    """One target process (gamma 0: the hub's choice) on the prompt set: its rate, ids, rounds."""
-    rows = run_target(endpoint, tag, ["--gamma", "0"])
+def measure_target(run_target: RunTarget, endpoint: str, tag: str,
+                   extra: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
+    """One target process (gamma 0: the hub's choice; then ``extra`` arguments) on the prompt
+    set: its rate, ids, rounds."""
+    rows = run_target(endpoint, tag, ["--gamma", "0", *extra])
     tokens = sum(len(r["token_ids"]) for r in rows)
     seconds = sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in rows)
     rounds = sum(r["stats"]["rounds"] for r in rows)
@@ -141,7 +148,8 @@ def run(cfg: BenchConfig, procs: Processes, work: Path, target: models.LoadedMod
 
 def _hub_mode(run_target: RunTarget, endpoint: str, mode: str) -> Measure:
     count = iter(range(1_000_000))
-    return lambda: measure_target(run_target, endpoint, f"paired-{mode}-{next(count)}")
+    extra = TARGET_ARGS.get(mode, [])
+    return lambda: measure_target(run_target, endpoint, f"paired-{mode}-{next(count)}", extra)
 
 
 def _hub_figures(log: str) -> dict[str, float]:

@@ -163,12 +163,14 @@ def hub_line(log: str) -> dict[str, float]:
 
 def pooled_targets(lines: dict[str, dict[str, float]], names: list[str]) -> dict[str, float]:
     """Figures of ``names`` pooled, each target weighted by its rounds (plus its rounds alone):
-    hit rate, queue wait, acceptance, mean gamma; ``targets`` counts those with a line."""
+    hit rate, taken rate (pushed branches), queue wait, acceptance, mean gamma; ``targets``
+    counts those with a line."""
     rows = [lines[n] for n in names if n in lines]
     weights = [r.get("rounds", 0) / max(1e-9, 1 - r.get("gamma0", 0)) for r in rows]
     total = sum(weights)
     out: dict[str, float] = {"targets": len(rows), "rounds": sum(r.get("rounds", 0) for r in rows)}
-    for key, name in (("predraft_hits", "hit_rate"), ("queue_wait_ms", "queue_wait_ms"),
+    for key, name in (("predraft_hits", "hit_rate"), ("taken", "taken_rate"),
+                      ("queue_wait_ms", "queue_wait_ms"),
                       ("acceptance", "acceptance"), ("gamma", "mean_gamma"),
                       ("gamma0", "alone_fraction"), ("mean_accepted", "mean_accepted")):
         values = [(r.get(key), w) for r, w in zip(rows, weights, strict=True)]

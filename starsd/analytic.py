@@ -6,6 +6,7 @@
     python -m starsd.analytic --from results/bench.json [--plot curves.png]
     python -m starsd.analytic --gamma auto --alpha 0.7 ... --n 1 8 64    # the gamma auto picks
     python -m starsd.analytic --hit-rate 0.4 ...      # pre-drafting answers 40% while idle
+    python -m starsd.analytic --hit-rate 0.5 --taken-rate 0.35 ...  # 35% taken as pushed
 
 Terms (times per round of one target):
   E[L]   expected tokens a round commits: (1 - alpha^(gamma+1)) / (1 - alpha) for i.i.d.
@@ -140,6 +141,9 @@ class ModelInputs:
     max_batch: int = 1  # M: the most jobs the hub drafts in one batch
     curve: ServiceCurve | None = None  # S(B); None: one-at-a-time
     hit_rate: float = 0.0  # h: share of jobs answered from a pre-drafted branch when idle
+    # tau (<= h): of which its target had taken the branch pushed to it (Open.push): that round
+    # costs the target's verify alone, no link and no hub time on its path
+    taken_rate: float = 0.0
     # c: the hub's serial per-message handling (receive, decode, enqueue; deliver, send); the
     # jobs of one batch arrive one after another, so the batch of B starts (B - 1) c after its
     # first (gathering waits for them)
@@ -148,6 +152,8 @@ class ModelInputs:
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_rate <= 1.0:
             raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate}")
+        if not 0.0 <= self.taken_rate <= self.hit_rate:
+            raise ValueError(f"taken_rate must be in [0, hit_rate], got {self.taken_rate}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_batch > 1 and self.curve is None:
@@ -221,8 +227,10 @@ def _idle(inputs: ModelInputs, n_targets: int) -> tuple[float, float, int, int]:
 
     Pre-drafting (hit rate h) works only in idle time: when the hub idles without it, a share
     h of the jobs is answered from branches drafted meanwhile, so a round takes
-    (1 - h) S(B_1) + R and the hub's critical-path work shrinks by (1 - h); fully loaded, there
-    is no idle time to pre-draft in, and h changes nothing.
+    (1 - h) S(B_1) + R and the hub's critical-path work shrinks by (1 - h); of those, a share
+    tau had been pushed to the target and taken there, which also takes the link off the round:
+    (1 - h) S(B_1) + R - tau * link. Fully loaded, there is no idle time to pre-draft in, and
+    h and tau change nothing.
     """
     if n_targets < 1:
         raise ValueError(f"n_targets must be >= 1, got {n_targets}")
@@ -231,8 +239,9 @@ def _idle(inputs: ModelInputs, n_targets: int) -> tuple[float, float, int, int]:
     cycle = service_s(inputs, first) + round_trip_outside_hub(inputs) + arrivals
     if busy >= cycle or inputs.hit_rate == 0.0:
         return max(0.0, cycle - busy), busy, k, first
-    miss = 1.0 - inputs.hit_rate
-    cycle = miss * service_s(inputs, first) + round_trip_outside_hub(inputs) + arrivals
+    miss, link_saved = 1.0 - inputs.hit_rate, inputs.taken_rate * inputs.link_s
+    cycle = (miss * service_s(inputs, first) + round_trip_outside_hub(inputs) - link_saved
+             + arrivals)  # fmt: skip
     return max(0.0, cycle - miss * busy), miss * busy, k, first
 
 
@@ -516,6 +525,8 @@ def parse_cli(
     p.add_argument("--curve", help="S(B) as B:ms pairs, e.g. 1:4.3,8:4.7,32:6.5")
     p.add_argument("--hit-rate", type=float, default=0.0,
                    help="share of jobs answered from pre-drafted branches while the hub idles")
+    p.add_argument("--taken-rate", type=float, default=0.0,
+                   help="of which the target took the branch pushed to it (<= --hit-rate)")
     p.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--plot", help="write the curves to this PNG")
     a = p.parse_args(argv)
@@ -525,7 +536,7 @@ def parse_cli(
         if a.gamma < 1 or a.max_gamma < 1:
             raise ValueError("--gamma and --max-gamma must be >= 1 (or --gamma auto)")
         inputs = _with_batching(_base_inputs(a), a.curve, a.max_batch)
-        inputs = dataclasses.replace(inputs, hit_rate=a.hit_rate)
+        inputs = dataclasses.replace(inputs, hit_rate=a.hit_rate, taken_rate=a.taken_rate)
     except ValueError as exc:
         p.error(str(exc))
     return inputs, a.n, a.plot, a.max_gamma if auto else None

@@ -281,6 +281,22 @@ def test_pre_drafting_shortens_idle_rounds_and_changes_nothing_fully_loaded() ->
         dataclasses.replace(base, hit_rate=1.5)
 
 
+def test_taken_branches_take_the_link_off_their_rounds_and_nothing_fully_loaded() -> None:
+    """Catches a taken rate that saves more than the link (the target still verifies), that is
+    counted on top of the hit rate instead of within it, or that applies to a hub with no idle
+    time (nothing is pre-drafted, so nothing is pushed)."""
+    base = ModelInputs(0.7, 4, 0.010, 0.020, 0.004, 0.010)  # S 10 ms, verify 20, link 4
+    hits = dataclasses.replace(base, hit_rate=0.5)
+    taken = dataclasses.replace(base, hit_rate=0.5, taken_rate=0.25)
+    assert math.isclose(analytic.predict(taken, 1).iteration_s,
+                        0.5 * 0.010 + 0.020 + 0.75 * 0.004)  # (1 - h) S + verify + (1 - tau) link
+    assert analytic.predict(taken, 1).iteration_s < analytic.predict(hits, 1).iteration_s
+    full = analytic.saturation_point(base)
+    assert analytic.predict(taken, full) == analytic.predict(base, full)
+    with pytest.raises(ValueError):
+        dataclasses.replace(base, hit_rate=0.2, taken_rate=0.3)
+
+
 def test_a_batch_waits_for_its_jobs_to_arrive() -> None:
     """Catches a model that lets a batch of B start when its first job arrives, though the hub
     handles the B messages one after another (measured: 21-32% over-prediction at N = 8-32 on

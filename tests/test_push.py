@@ -198,7 +198,8 @@ class LargeTargetBackend(TorchBackend):
 
 
 async def _speculate(endpoint: str, target: models.LoadedModel, prompts: list[list[int]],
-                     n: int, params: SamplingParams, push: int) -> list[TargetSequence]:  # fmt: skip
+                     n: int, params: SamplingParams, push: int
+                     ) -> list[TargetSequence]:  # fmt: skip
     ctx = transport.new_context()
     info = TargetInfo("t", target.vocab_size, target.tokenizer_fingerprint, push=push)
     client = HubClient(ctx, endpoint, info)

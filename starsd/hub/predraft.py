@@ -22,6 +22,13 @@ still being drafted is finished first). Under ``--gamma auto`` a branch drafts `
 token more than its session's gamma, for a round whose gamma grows. Any other verdict drops the
 session's branches and is drafted as usual, from session state that pre-drafting never touched.
 
+Pushed branches: a session opened with ``push`` (Open.push) has up to that many of its branches
+sent to its target as soon as they are drafted (:meth:`Predrafter._push`, through the engine's
+send), as PROPOSALs naming their verdict. A target whose verdict matches one verifies it without
+waiting for the hub and says so in its DRAFT (``taken``); the hub then commits exactly that
+branch (the same ``_take``), sends nothing, and pre-drafts the next round at once, while the
+target verifies. Only a branch pushed at that length can answer a taken verdict.
+
 Real jobs come first: the engine calls :meth:`Predrafter.step` only while Q_in is empty, and a
 step is one forward of at most ``rows`` rows, so a job that arrives waits for one small step.
 Under load not even that: with more than ``max_in_flight`` proposals out (``--predraft-max-in-

@@ -4,8 +4,9 @@ A plain FIFO is work-conserving but lets a target with many sessions (or a burst
 take most of the drafting time. Here every target has its own FIFO and the drafting thread
 takes one job per target in turn, so each target waits at most one job per other target between
 two of its own, however chatty the others are. Bounded: the hub admits at most one job in
-flight per session and a quota of sessions per target, and removes a session's queued job when
-the session ends (so no target has more queued jobs than live sessions).
+flight per session (two right after its target took a pushed branch: that commit, then the next
+verdict, in order) and a quota of sessions per target, and removes a session's queued job when
+the session ends (so no target has more than two queued jobs per live session).
 """
 
 from __future__ import annotations
