@@ -14,8 +14,9 @@ several hubs a sequence fails over without losing a token, and decodes alone onl
 live. Proposals and errors are matched on (tag, seq): duplicates and stale ones are ignored, so
 nothing is applied twice. With ``push`` (Open.push) the hub also sends its pre-drafted branches
 for the next proposal while this one is verified: when the verdict matches one, it is verified
-next at once, and the DRAFT says so (``taken``) instead of asking. Greedy output therefore equals the target alone token for token, and
-sampled output keeps the target's distribution, whatever the hubs do.
+next at once, and the DRAFT says so (``taken``) instead of asking. Greedy output therefore
+equals the target alone token for token, and sampled output keeps the target's distribution,
+whatever the hubs do.
 """
 
 from __future__ import annotations

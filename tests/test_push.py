@@ -106,6 +106,36 @@ def test_a_pushed_branch_is_exactly_the_proposal_drafting_after_its_verdict_send
     same(nxt[0], nxt[1])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, seed=7)], ids=str)
+def test_a_branch_goes_out_once_its_gamma_is_drawn_and_is_taken_while_still_drafting(
+    draft: models.LoadedModel, params: SamplingParams
+) -> None:
+    """Under --gamma auto a branch drafts one token past the round's gamma; its push must not
+    wait for that token. Catches a push held back to the end of the batch, a push of the extra
+    token, and a taken verdict whose branch is still being drafted counted lost (the hub would
+    end a healthy session) or committed half-drafted (the next round would differ)."""
+    proposer = LlmProposer(draft)
+    pre = Predrafter(proposer, branches=2, reach=1)
+    sent: list[Proposal] = []
+    pre.connect_push(lambda tag, proposals: sent.extend(proposals) or len(proposals))
+    state, _ = first_round(proposer, params, gamma=3)
+    pre.offer(b"s", state, seq=1, push=2)
+    while not sent:
+        pre.step()
+    assert pre.running is not None and [len(p.tokens) for p in sent] == [3, 3]
+    k, token = sent[0].branch  # type: ignore[misc]
+    taken = pre.answer(DraftJob(b"s", 1, state, k, (token,), taken=3))
+    assert taken is not None and pre.running is None
+    same(taken, sent[0])
+    plain = LlmProposer(draft)
+    twin, _ = first_round(plain, params, gamma=3)
+    (expected,) = plain.propose([DraftJob(b"s", 1, twin, k, (token,))])
+    same(taken, expected)
+    nxt = [p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
+           for p, s in ((proposer, state), (plain, twin))]  # fmt: skip
+    same(nxt[0], nxt[1])  # type: ignore[arg-type]
+
+
 def test_only_as_many_branches_as_the_target_takes_are_pushed(
     draft: models.LoadedModel,
 ) -> None:

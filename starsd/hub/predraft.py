@@ -58,7 +58,7 @@ from starsd.protocol import Proposal
 log = logging.getLogger("starsd.hub")
 
 
-@dataclass
+@dataclass(eq=False)  # (identity: a batch groups its rows by session)
 class Waiting:
     """A session whose proposal is out: its finished branches, keyed by (k, c)."""
 
@@ -191,6 +191,10 @@ class Predrafter:
         steps, items = self.running
         if next(steps, StopIteration) is StopIteration:
             self._keep(items)
+        else:  # branches with this round's gamma drawn go out now (the rest reach one further)
+            for waiting, rows in _by_session(items).items():
+                if self._alive(waiting):
+                    self._push(waiting, rows)
 
     def _finish_for(self, waiting: Waiting, job: DraftJob) -> LlmRow | None:
         """A verdict whose branch is being drafted: finish that batch now and answer from it.
@@ -200,48 +204,59 @@ class Predrafter:
         branch is exactly what that drafting would produce.
         """
         key = (job.accepted, job.appended[0]) if len(job.appended) == 1 else None
-        items = self._running_items()
-        if key is None or not any(w is waiting and _key(row) == key for w, row in items):
+        if key is None or not self._finish_running(waiting, key):
             return None
+        self.stats.late_hits += 1
+        return self._match(waiting, job)
+
+    def _finish_running(self, waiting: Waiting, key: tuple[int, int]) -> bool:
+        """If the running batch drafts ``waiting``'s branch ``key`` (its verdict is in, so the
+        session is no longer waiting), finish the batch now and keep that session's branches."""
+        items = self._running_items()
+        if not any(w is waiting and _key(row) == key for w, row in items):
+            return False
         for _ in self.running[0] if self.running else ():
             pass
         self._keep(items)
-        self.stats.late_hits += 1
         waiting.branches.update((_key(row), row) for w, row in items if w is waiting)
-        return self._match(waiting, job)
+        return True
 
     def _keep(self, items: list[tuple[Waiting, LlmRow]]) -> None:
         """The running batch is done: keep each live session's branches."""
         self.running = None
-        fresh: dict[bytes, list[LlmRow]] = {}
-        for waiting, row in items:
+        for waiting, rows in _by_session(items).items():
             if self._alive(waiting):
-                waiting.branches[_key(row)] = row
-                self.stats.branches += 1
-                fresh.setdefault(waiting.tag, []).append(row)
-        for tag, rows in fresh.items():
-            self._push(self.waiting[tag], rows)
+                for row in rows:
+                    waiting.branches[_key(row)] = row
+                    self.stats.branches += 1
+                self._push(waiting, rows)
 
     def _push(self, waiting: Waiting, rows: list[LlmRow]) -> None:
-        """Send the session's new branches (most likely first) to its target, as many as it
-        takes: a verdict that matches one is then verified without waiting for the hub."""
-        room = waiting.push - len(waiting.pushed)
-        if self.push is None or room <= 0:
+        """Send the session's branches among ``rows`` (most likely first) that have this
+        round's gamma drawn and are not out yet to its target, as many as it takes: a verdict
+        that matches one is then verified without waiting for the hub."""
+        if self.push is None or len(waiting.pushed) >= waiting.push:
             return
         state, proposals = waiting.state, []
-        for row in rows[:room]:  # each at this round's gamma (a branch may reach one further)
+        for row in rows:
             gamma = min(row.gamma, self._gamma(state, len(state.tokens) + row.job.accepted + 1))
-            if gamma >= 1:
+            if _key(row) not in waiting.pushed and 1 <= gamma <= len(row.tokens):
                 proposals.append(_branch_proposal(row, gamma, state))
+        proposals = proposals[: waiting.push - len(waiting.pushed)]
         for proposal in proposals[: self.push(waiting.tag, proposals)]:
             assert proposal.branch is not None
             waiting.pushed[proposal.branch] = len(proposal.tokens)
             self.stats.pushed += 1
 
     def _pushed(self, waiting: Waiting, job: DraftJob) -> LlmRow | None:
-        """The branch a DRAFT with ``taken`` says its target took: pushed with that length."""
+        """The branch a DRAFT with ``taken`` says its target took: pushed with that length
+        (finished first if it is still being drafted: it was pushed once its gamma was drawn)."""
         key = (job.accepted, job.appended[0])
-        return waiting.branches.get(key) if waiting.pushed.get(key) == job.taken else None
+        if waiting.pushed.get(key) != job.taken:
+            return None
+        if key not in waiting.branches:
+            self._finish_running(waiting, key)
+        return waiting.branches.get(key)
 
     def _probe(self) -> None:
         """The draft's alternatives for the bonus token, then every session's best branches."""
@@ -318,6 +333,14 @@ class Predrafter:
 
     def _running_items(self) -> list[tuple[Waiting, LlmRow]]:
         return self.running[1] if self.running else []
+
+
+def _by_session(items: list[tuple[Waiting, LlmRow]]) -> dict[Waiting, list[LlmRow]]:
+    """A batch's rows per session, in batch order (most likely first)."""
+    out: dict[Waiting, list[LlmRow]] = {}
+    for waiting, row in items:
+        out.setdefault(waiting, []).append(row)
+    return out
 
 
 def _branch_proposal(row: LlmRow, gamma: int, state: LlmState) -> Proposal:
