@@ -28,8 +28,9 @@ same check also runs with emulated targets (``scripts/emulated.py``, gamma 4, ve
 pre-drafting runs in every idle moment: the worst case for the delay): the hub's mean queue wait
 and the rounds' proposal wait (p50/p99) with and without.
 
-The analytic model (``ModelInputs.hit_rate``) beside each case where it applies: the case's
-own acceptance and mean gamma, with the measured hit rate and without.
+The analytic model (``ModelInputs.hit_rate``, ``taken_rate``) beside each case where it applies:
+the case's own acceptance and mean gamma, with the measured hit and taken rates and without.
+The targets run with their defaults, so with pushed branches (``--push 4``).
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ def _one(cfg: BenchConfig, run_targets: RunTargets, endpoint: str, log: Path, hu
               "predraft_s": hub_line(text).get("predraft_s", 0.0) - predraft_before,
               **pooled}  # fmt: skip
     print(f"[predraft] {hub}, N={n}, temperature {temperature}: "
-          f"{record['system_tokens_per_s']:.1f} tok/s, hit rate {record['hit_rate']:.2f}, queue "
+          f"{record['system_tokens_per_s']:.1f} tok/s, hit rate {record['hit_rate']:.2f} "
+          f"(taken {record['taken_rate']:.2f}), queue "
           f"wait {record['queue_wait_ms']:.2f} ms, mean gamma {record['mean_gamma']:.2f}",
           flush=True)  # fmt: skip
     return record
@@ -238,12 +240,15 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def predicted(inputs: analytic.ModelInputs, row: dict[str, Any], hit_rate: float) -> float:
+def predicted(inputs: analytic.ModelInputs, row: dict[str, Any], hit_rate: float,
+              taken_rate: float = 0.0) -> float:  # fmt: skip
     """The model for one case: its N, its own acceptance at its mean gamma (rounded, >= 1),
-    S and R as measured for the suite, pre-drafting answering ``hit_rate`` of the jobs."""
+    S and R as measured for the suite, pre-drafting answering ``hit_rate`` of the jobs, of
+    which ``taken_rate`` were taken as pushed by their targets."""
     gamma = max(1, round(row["mean_gamma"]))
     alpha = analytic.alpha_from_mean_accepted(row["mean_accepted"], gamma)
-    at = replace(analytic.at_gamma(inputs, gamma), alpha=alpha, hit_rate=hit_rate)
+    at = replace(analytic.at_gamma(inputs, gamma), alpha=alpha, hit_rate=hit_rate,
+                 taken_rate=min(taken_rate, hit_rate))  # fmt: skip
     return analytic.predict(at, row["n_targets"]).system_tokens_per_s
 
 
@@ -266,13 +271,15 @@ def summary(rows: list[dict[str, Any]], steps: dict[str, dict[str, float]],
             continue
         step = steps.get(str(case["n_targets"]), {})
         added = on["queue_wait_ms"] - off["queue_wait_ms"]
-        case.update(hit_rate=on["hit_rate"], queue_wait_ms_with=on["queue_wait_ms"],
+        case.update(hit_rate=on["hit_rate"], taken_rate=on.get("taken_rate", 0.0),
+                    queue_wait_ms_with=on["queue_wait_ms"],
                     queue_wait_ms_without=off["queue_wait_ms"], added_wait_ms=added,
                     step_ms=step.get("max_ms"),
                     within_one_step=step.get("max_ms") is not None and added <= step["max_ms"],
                     throughput_ratio=on["system_tokens_per_s"] / off["system_tokens_per_s"])
         if inputs is not None:
-            with_h, without = predicted(inputs, on, on["hit_rate"]), predicted(inputs, on, 0.0)
+            with_h = predicted(inputs, on, on["hit_rate"], on.get("taken_rate", 0.0))
+            without = predicted(inputs, on, 0.0)
             on["predicted_system_tokens_per_s"] = with_h
             off["predicted_system_tokens_per_s"] = predicted(inputs, off, 0.0)
             case.update(predicted_with=with_h, predicted_without=without,
@@ -286,15 +293,16 @@ def markdown(predraft: dict[str, Any] | None) -> list[str]:
     """The cases as a markdown table."""
     if not predraft:
         return []
-    lines = ["", "| N | temperature | hit rate | queue wait with / without ms | added | one step "
-             "(max) ms | tok/s with / without | ratio | model ratio |",
+    lines = ["", "| N | temperature | hit rate (taken) | queue wait with / without ms | added | "
+             "one step (max) ms | tok/s with / without | ratio | model ratio |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for c in predraft["cases"].values():
         if "hit_rate" not in c:
             continue
         on, off = c[WITH], c[WITHOUT]
         lines.append(
-            f"| {c['n_targets']} | {c['temperature']} | {c['hit_rate']:.2f} | "
+            f"| {c['n_targets']} | {c['temperature']} | {c['hit_rate']:.2f} "
+            f"({c.get('taken_rate', 0.0):.2f}) | "
             f"{c['queue_wait_ms_with']:.2f} / {c['queue_wait_ms_without']:.2f} | "
             f"{c['added_wait_ms']:+.2f} | {c['step_ms'] or 0:.2f} | "
             f"{on['system_tokens_per_s']:.1f} / {off['system_tokens_per_s']:.1f} | "
