@@ -291,6 +291,20 @@ def test_measured_alone_step_decides_gamma_0() -> None:
     assert policy.choose(s, IDLE) == 0
 
 
+def test_a_session_without_its_own_alone_step_takes_the_hubs() -> None:
+    """Catches T_alone taken from the round trip R(1) while the hub has measured other
+    sessions decoding alone (R(1) errs high: at N = 64 sessions that had not decoded alone
+    rarely started to, and auto read 0.91x or 1.07-1.22x the best fixed gamma by chance), and
+    the hub's figure preferred to the session's own."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G))
+    s = _session(policy, 0.5, 0.020)
+    hub = Load(IDLE.batch, IDLE.loaded, IDLE.costs, alone_s=0.005)
+    assert policy.choose(s, IDLE) >= 1
+    assert policy.choose(s, hub) == 0
+    s.alone_step = 0.030
+    assert policy.choose(s, hub) >= 1
+
+
 def test_a_gamma_near_the_best_is_kept_and_a_clearly_worse_one_is_left() -> None:
     """Catches a bare argmax over noisy estimates: on a flat optimum (alpha 0.7, 20 ms round
     trip: gammas 3..6 within a few percent) the choice flapped round by round, and each flap to

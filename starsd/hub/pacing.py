@@ -53,6 +53,7 @@ from starsd.protocol import Error, Proposal, SamplingParams
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 _WAIT_SMOOTHING = 0.2  # W: weight of the newest queue wait
 _ALONE_SMOOTHING = 0.3  # T_alone: weight of the newest span
+_HUB_ALONE_SMOOTHING = 0.1  # the hub's T_alone, over every session's spans
 
 
 class PacedProposer:
@@ -77,6 +78,7 @@ class PacedProposer:
         self.load = LoadMeter(policy.params.loaded_busy)
         self.owners = OwnerMemory()  # each target's latest auto session: its next starts there
         self.common = CommonGamma(policy.params.max_gamma)  # what the auto sessions draft
+        self.alone_s: float | None = None  # T_alone over the hub's sessions (smoothed)
         self.batch = 1  # the last batch's size
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> Any:
@@ -153,7 +155,8 @@ class PacedProposer:
 
     def _load(self, batch: int, loaded: bool) -> Load | None:
         costs = self.service.costs(batch, self.policy.params.max_gamma)
-        return None if costs is None else Load(batch, loaded, costs, self.common.mode())
+        return None if costs is None else Load(batch, loaded, costs, self.common.mode(),
+                                               self.alone_s)  # fmt: skip
 
     def _pacings(self, jobs: list[DraftJob]) -> list[SessionPacing | None]:
         """Each job's session pacing, created on its first job (one lock hold per batch);
@@ -196,6 +199,8 @@ class PacedProposer:
                 step = since / len(job.appended)
                 old = pacing.alone_step
                 pacing.alone_step = step if old is None else old + _ALONE_SMOOTHING * (step - old)
+                hub = self.alone_s
+                self.alone_s = step if hub is None else hub + _HUB_ALONE_SMOOTHING * (step - hub)
             return
         # A verify commits exactly one token after the accepted ones: anything else means the
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.

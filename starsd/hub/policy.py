@@ -381,6 +381,11 @@ class Load:
     loaded: bool  # the hub is fully loaded (see LoadMeter)
     costs: Sequence[float]  # S(B, g) for g = 0..G (index 0 unused)
     common: int = 0  # the gamma the hub's auto sessions draft most lately (CommonGamma), 0: none
+    # T_alone measured on the hub's sessions lately, for a session that has not measured its own
+    # (R(1), the fallback, errs high by the link and a verify: at N = 64 a session that had not
+    # decoded alone yet rarely started to, and auto read 0.91x or 1.07-1.22x the best fixed
+    # gamma as 17% or 30% of the rounds happened to be alone)
+    alone_s: float | None = None
 
 
 class CommonGamma:
@@ -432,10 +437,13 @@ class SessionPacing:
     probing: bool = False  # the proposal in flight is the probe after a span alone
     decision: tuple[int, int, int] | None = None  # (seq, gamma, span) decided, not yet sent
 
-    def step_alone(self) -> float | None:
-        """T_alone: measured, else R(1) (see the module docstring), None while unknown."""
+    def step_alone(self, hub: float | None = None) -> float | None:
+        """T_alone: measured, else ``hub`` (the hub's other sessions' lately), else R(1) (see
+        the module docstring), None while unknown."""
         if self.alone_step is not None:
             return self.alone_step
+        if hub is not None:
+            return hub
         if not self.round_trip.known:
             return None
         r0, r1 = self.round_trip.coefficients()
@@ -542,7 +550,7 @@ class GammaPolicy:
         outside = [s.wait + r0 + r1 * g for g in range(top + 1)]
         expected = s.estimate.expected_tokens()
         rates = gamma_rates(expected, load.costs, outside,
-                            s.step_alone() if allow_alone else None, load.batch,
+                            s.step_alone(load.alone_s) if allow_alone else None, load.batch,
                             load.loaded)  # fmt: skip
         best, p = pick_gamma(rates), self.params
         common = load.common if load.common >= 1 else -1  # (0: no common gamma yet)
