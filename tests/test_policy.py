@@ -367,6 +367,21 @@ def test_the_hubs_common_gamma_is_chosen_while_near_the_best() -> None:
     near = best - 2  # within 10% of the best (see test_a_gamma_near_the_best_is_kept...)
     assert policy.choose(s, Load(IDLE.batch, IDLE.loaded, IDLE.costs, common=near)) == near
     assert policy.choose(s, Load(IDLE.batch, IDLE.loaded, IDLE.costs, common=1)) == best
+    # neither does the common gamma keep a session from decoding alone nor call it back (it
+    # flapped between alone and a common gamma 2 at alpha 0.3, both within 10%)
+    low = _session(GammaPolicy(PolicyParams(max_gamma=G)), 0.3, 0.020)
+    low.alone_step = 0.0158  # alone ~5% ahead of gamma 2, the best draft (~60 tok/s)
+    two = Load(IDLE.batch, IDLE.loaded, IDLE.costs, common=2)
+    assert policy.choose(low, IDLE) == 0 and policy.choose(low, two) == 0
+    low.chosen = 0
+    assert policy.choose(low, two) == 0
+    low.alone_step = 0.0175  # drafting ~5% ahead of alone: gamma 3 is within 10% of gamma 2
+    low.chosen = 1
+    assert policy.choose(low, IDLE) == 2
+    assert policy.choose(low, Load(IDLE.batch, IDLE.loaded, IDLE.costs, common=3)) == 3
+    low.chosen = 0  # alone within 5% of the best: kept, by its own hysteresis
+    assert GammaPolicy(PolicyParams(max_gamma=G)).choose(
+        low, Load(IDLE.batch, IDLE.loaded, IDLE.costs, common=3)) == 0
     votes = CommonGamma(G, decay=0.9)
     assert votes.mode() == 0
     for g in (4, 4, 4, 0, 0, 0, 6):  # alone is no vote

@@ -537,7 +537,8 @@ class GammaPolicy:
         """The rule of the module docstring (:func:`starsd.analytic.best_gamma`, which the
         analytic model's auto gamma applies too) on this session's figures, with hysteresis:
         while the best is within ``common_slack`` of the hub's common gamma (``load.common``),
-        that is chosen, else while it is within ``hysteresis`` of the last gamma, that stays.
+        that is chosen (unless the session decodes alone or would), else while it is within
+        ``hysteresis`` of the last gamma, that stays.
 
         Why the common gamma first: sessions that draft the same gamma verify for the same time
         and come back together, so the hub drafts them in one batch; sessions spread over
@@ -553,7 +554,11 @@ class GammaPolicy:
                             s.step_alone(load.alone_s) if allow_alone else None, load.batch,
                             load.loaded)  # fmt: skip
         best, p = pick_gamma(rates), self.params
-        common = load.common if load.common >= 1 else -1  # (0: no common gamma yet)
+        # (0: no common gamma yet.) It aligns drafting sessions only: neither calls one back
+        # from decoding alone nor keeps one from it (sessions flapped between alone and a
+        # common gamma 2 at alpha 0.3, both within 10%, and one at 8, the common gamma of its
+        # own votes, stayed there for 38 rounds after acceptance fell to 0.3)
+        common = load.common if load.common >= 1 and s.chosen != 0 and best != 0 else -1
         for keep, slack in ((common, p.common_slack), (s.chosen, p.hysteresis)):
             near = 0 <= keep < len(rates) and rates[keep] > 0
             if near and rates[keep] * (1.0 + slack) >= rates[best]:
