@@ -4,10 +4,16 @@ switch, with emulated targets against the real hub (run by ``scripts/bench_scale
 * **Fixed vs auto.** At each N, emulated targets that OPEN with gamma 1, 2, 4 and 8 (the batched
   hub of the sweep keeps an OPEN's gamma) and with gamma 0 against a hub under ``--gamma auto``
   (the hub's choice every round), the five runs back to back, their order rotating from one N
-  to the next (this machine's speed drifts). The emulated target costs what a target's forward
-  does: a verify of g tokens takes ``auto_verify_ms + auto_verify_per_token_ms * g``, and a
-  span the hub asks it to decode alone (gamma 0) ``auto_verify_ms`` per token. Target: auto's
-  system throughput at least 0.95x the best fixed gamma's at every N.
+  to the next, then again in the reverse order (:data:`REPEATS`), each mode's median (of two:
+  mean) at one N counting (:func:`merge_reports`): this machine's speed drifts up to 3x within
+  minutes, and one 2 s window per mode read fixed gamma 4 at 575 tok/s where 1, 2 and 8 read
+  374-400 (two runs of one mode at N = 8 read 596 and 714 a minute apart), and the best of
+  four single readings is biased up; a mirrored pair puts every mode at the same mean
+  position, so that a steady drift hits all alike. The emulated target costs what a
+  target's forward does: a verify of g tokens takes ``auto_verify_ms +
+  auto_verify_per_token_ms * g``, and a span the hub asks it to decode alone (gamma 0)
+  ``auto_verify_ms`` per token. Target: auto's system throughput at least 0.95x the best fixed
+  gamma's at every N.
 * **Acceptance switch.** A few emulated targets at gamma 0 on the auto hub, their acceptance
   rate switching from 0.9 to 0.3 half-way through the run; each session's proposal lengths
   round by round, and the rounds after the switch until the gamma the hub chooses settles
@@ -36,7 +42,12 @@ MODES: tuple[int | str, ...] = (*FIXED_GAMMAS, AUTO)
 GAMMA_NS = (1, 2, 4, 8, 16, 32, 64, 128)
 QUICK_GAMMA_NS = (1, 8, 64)  # under-loaded, near the batched hub's saturation, far past it
 TARGET_RATIO = 0.95  # auto against the best fixed gamma, at every N
-QUICK_DURATION_S, QUICK_CALIBRATION_S = 2.0, 0.5  # each run of the comparison (--quick: < 3 min)
+# each run of the comparison (--quick: ~100 s in all). The comparison's model takes S(B) from the
+# sweep and the verify time from the windows, so its calibration slices only pad the window.
+# Not shorter: with 1.2 s windows (and 3 repeats) auto read 0.69-0.84x at N = 64, where 64
+# sessions opened at once spend a larger part of the window starting cold.
+QUICK_DURATION_S, QUICK_CALIBRATION_S = 2.0, 0.1
+REPEATS = 2  # each N's modes forward, then reversed (see the module doc); their median counts
 # The acceptance switch: emulated targets, rates, when, how long, and the settling rule.
 SWITCH_TARGETS, SWITCH_ALPHAS, SWITCH_AT = 4, (0.9, 0.3), 0.5
 SWITCH_DURATION_S, SWITCH_CALIBRATION_S = (6.0, 2.0), (10.0, 2.0)  # (quick, full)
@@ -52,14 +63,35 @@ def mode_name(mode: int | str) -> str:
     return f"gamma-{mode}" if mode == AUTO else f"gamma-fixed-{mode}"
 
 
-def gamma_order(ns: Sequence[int], modes: Sequence[int | str] = MODES
+def gamma_order(ns: Sequence[int], modes: Sequence[int | str] = MODES, repeats: int = 1
                 ) -> list[tuple[int, int | str]]:  # fmt: skip
-    """(N, mode) in run order: every mode at every N, the order rotating by one per N."""
+    """(N, mode) in run order: every mode at every N, the order rotating by one per N; with
+    ``repeats``, each N's order again, every other time reversed (ABCDE EDCBA ABCDE ...)."""
     order = []
     for i, n in enumerate(ns):
         k = i % len(modes)
-        order += [(n, m) for m in (*modes[k:], *modes[:k])]
+        once = [(n, m) for m in (*modes[k:], *modes[:k])]
+        for r in range(repeats):
+            order += once if r % 2 == 0 else once[::-1]
     return order
+
+
+def merge_reports(runs: Sequence[dict]) -> dict:
+    """One report for several runs of one mode at one N: every number their median (of an
+    even count, the mean of the middle two), gamma counts summed, the rest the first run's;
+    ``runs_tokens_per_s`` keeps each run's figure."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        values = [r.get(key) for r in runs]
+        if key == "gamma_counts":
+            out[key] = {g: sum((v or {}).get(g, 0) for v in values)
+                        for g in sorted({g for v in values for g in (v or {})}, key=int)}
+        elif isinstance(value, int | float) and not isinstance(value, bool) and all(
+                isinstance(v, int | float) for v in values):  # fmt: skip
+            out[key] = statistics.median(values)
+    out["n_targets"] = runs[0]["n_targets"]
+    out["runs_tokens_per_s"] = [r["system_tokens_per_s"] for r in runs]
+    return out
 
 
 def target_args(cfg: BenchConfig) -> list[str]:
@@ -74,16 +106,19 @@ def run_comparison(cfg: BenchConfig, fixed: Emulate, auto: Emulate) -> dict[str,
     ns = QUICK_GAMMA_NS if cfg.quick else GAMMA_NS
     timing = (["--duration", str(QUICK_DURATION_S), "--calibration", str(QUICK_CALIBRATION_S)]
               if cfg.quick else [])  # fmt: skip
-    reports: dict[str, list[dict]] = {mode_name(m): [] for m in MODES}
-    for n, mode in gamma_order(ns):
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for n, mode in gamma_order(ns, repeats=REPEATS):
         gamma = 0 if mode == AUTO else int(mode)
         run = auto if mode == AUTO else fixed
         report = run(n, f"-{mode_name(mode)}", [*target_args(cfg), "--gamma", str(gamma), *timing])
-        reports[mode_name(mode)].append(report)
+        runs.setdefault((mode_name(mode), n), []).append(report)
         print(f"[gamma] {mode_name(mode)}, {n} emulated targets: "
               f"{report['system_tokens_per_s']:.0f} tok/s, mean gamma {report['mean_gamma']:.2f}, "
               f"alone {_alone_fraction(report):.2f} of rounds, busy "
               f"{report['hub_busy_fraction']:.2f}", flush=True)  # fmt: skip
+    reports: dict[str, list[dict]] = {mode_name(m): [] for m in MODES}
+    for (name, _), same in runs.items():
+        reports[name].append(merge_reports(same))
     return reports
 
 
@@ -171,6 +206,7 @@ def compare(reports: dict[str, list[dict]], inputs: analytic.ModelInputs | None)
         for r in reports.get(mode_name(mode), []):
             row = by_n.setdefault(str(r["n_targets"]), {"tokens_per_s": {}})
             row["tokens_per_s"][str(mode)] = r["system_tokens_per_s"]
+            row.setdefault("runs_tokens_per_s", {})[str(mode)] = r.get("runs_tokens_per_s")
             if mode == AUTO:
                 row.update(auto_mean_gamma=r["mean_gamma"], auto_gamma_counts=r["gamma_counts"],
                            auto_alone_fraction=_alone_fraction(r))  # fmt: skip

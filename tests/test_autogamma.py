@@ -239,6 +239,35 @@ def test_held_verdict_and_spans_reach_the_proposer_once_in_order() -> None:
     assert session.pacing is not None and session.pacing.pending is None
 
 
+def test_a_targets_next_auto_session_starts_from_its_last_one() -> None:
+    """Catches the glue of the learnt prior: a target's new auto session starting from the
+    prior (ignoring what its last session learnt), sharing that session's estimate instead
+    of a copy, another target's session inheriting it, or a fixed session (whose estimate
+    never learns) taking the place of the target's last auto session."""
+    limits = Limits(max_sessions=8, max_sessions_per_target=8, default_gamma=4, max_gamma=8,
+                    lease_s=3.0, vocab_size=100, max_positions=None, auto_gamma=True)  # fmt: skip
+    table, lock, inner = SessionTable(limits), threading.Lock(), Recorder()
+    p, q = table.welcome(b"p", b"p", "p"), table.welcome(b"q", b"q", "q")
+    assert p is not None and q is not None
+    paced = PacedProposer(inner, table, lock, GammaPolicy(PolicyParams(max_gamma=8)))
+
+    def first_job(peer: object, ref: int, gamma: int = 0) -> SessionPacing:
+        session = table.open(peer, Open(ref, PROMPT, SamplingParams(), gamma), inner.new_state)
+        paced.propose([DraftJob(session.tag, 0, session.state, 0, ())])
+        assert isinstance(session.pacing, SessionPacing)
+        return session.pacing
+
+    old = first_job(p, 1)
+    for _ in range(60):
+        old.estimate.observe(8, 8)
+    inherited, other, fixed = first_job(p, 2), first_job(q, 3), first_job(p, 4, gamma=3)
+    assert inherited.estimate is not old.estimate
+    assert inherited.estimate.alphas() == old.estimate.alphas()
+    assert inherited.estimate.alphas()[0] > 0.9
+    assert other.estimate.alphas()[0] == pytest.approx(0.6)
+    assert fixed.fixed == 3 and paced.owners.get(b"p") is inherited
+
+
 async def _rounds(raw: RawTarget, tag: bytes, first: Proposal, rounds: int,
                   ) -> tuple[list[Proposal], list[int]]:  # fmt: skip
     """Reject every draft for ``rounds`` rounds (answering a span alone with its tokens);

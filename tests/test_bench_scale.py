@@ -208,6 +208,21 @@ def test_gamma_order_rotates_every_mode_through_every_position() -> None:
                bench_gamma.MODES)) for k in (1, 8, 64))  # fmt: skip
 
 
+def test_gamma_order_repeats_mirrored_and_reports_merge_by_median() -> None:
+    """Catches repeats that run each mode's runs back to back (a drift would hit one mode's
+    runs alike) or keep the same order every time (auto last each time); a merged report that
+    takes one run (the last) or the mean (one disturbed run moves it) instead of the median;
+    gamma counts not summed over the runs."""
+    order = bench_gamma.gamma_order([8], repeats=3)
+    once = [m for _, m in bench_gamma.gamma_order([8])]
+    assert [m for _, m in order] == [*once, *once[::-1], *once]
+    runs = [_report(8, t, {"4": c}) for t, c in ((500, 10), (900, 20), (600, 30))]
+    merged = bench_gamma.merge_reports(runs)
+    assert merged["system_tokens_per_s"] == 600 and merged["n_targets"] == 8
+    assert merged["gamma_counts"] == {"4": 60} and merged["runs_tokens_per_s"] == [500, 900, 600]
+    assert merged["latency_ms"] == runs[0]["latency_ms"]
+
+
 def test_settle_rounds_ignores_probes_and_needs_a_tail() -> None:
     """Catches: the settled value taken from before the switch, probes (a round right after a
     span alone) counted as unsettled, an off-by-one from the switch round, and a verdict on a

@@ -37,13 +37,23 @@ import numpy as np
 
 from starsd import protocol
 from starsd.hub.drafters.base import DraftJob, Proposer
-from starsd.hub.policy import GammaPolicy, Load, LoadMeter, Pending, ServiceModel, SessionPacing
+from starsd.hub.policy import (
+    CommonGamma,
+    GammaPolicy,
+    Load,
+    LoadMeter,
+    OwnerMemory,
+    Pending,
+    ServiceModel,
+    SessionPacing,
+)
 from starsd.hub.sessions import SessionTable
 from starsd.protocol import Error, Proposal, SamplingParams
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 _WAIT_SMOOTHING = 0.2  # W: weight of the newest queue wait
 _ALONE_SMOOTHING = 0.3  # T_alone: weight of the newest span
+_HUB_ALONE_SMOOTHING = 0.1  # the hub's T_alone, over every session's spans
 
 
 class PacedProposer:
@@ -66,6 +76,9 @@ class PacedProposer:
         self.clock = clock  # the clock DraftJob.enqueued_at is read on
         self.service = ServiceModel()
         self.load = LoadMeter(policy.params.loaded_busy)
+        self.owners = OwnerMemory()  # each target's latest auto session: its next starts there
+        self.common = CommonGamma(policy.params.max_gamma)  # what the auto sessions draft
+        self.alone_s: float | None = None  # T_alone over the hub's sessions (smoothed)
         self.batch = 1  # the last batch's size
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> Any:
@@ -118,6 +131,8 @@ class PacedProposer:
         self._learn(job, pacing, now)
         # (after a span alone its verdict is held: this round is the probe)
         gamma = self.policy.next_round(pacing, load, probe=pacing.pending is not None)
+        if pacing.fixed is None:
+            self.common.vote(gamma)
         span = self._span(job, pacing) if gamma == 0 else 0
         decision = (0, span) if span else (max(gamma, 1), 0)
         pacing.decision = (job.seq, *decision)
@@ -140,7 +155,8 @@ class PacedProposer:
 
     def _load(self, batch: int, loaded: bool) -> Load | None:
         costs = self.service.costs(batch, self.policy.params.max_gamma)
-        return None if costs is None else Load(batch, loaded, costs)
+        return None if costs is None else Load(batch, loaded, costs, self.common.mode(),
+                                               self.alone_s)  # fmt: skip
 
     def _pacings(self, jobs: list[DraftJob]) -> list[SessionPacing | None]:
         """Each job's session pacing, created on its first job (one lock hold per batch);
@@ -154,11 +170,19 @@ class PacedProposer:
                     out.append(None)
                     continue
                 if session.pacing is None:
-                    gamma = job.state.gamma
-                    session.pacing = self.policy.new_session(
-                        gamma if session.gamma_fixed else None, start=gamma)
+                    session.pacing = self._new_pacing(session.owner, job.state.gamma,
+                                                      session.gamma_fixed)  # fmt: skip
                 out.append(session.pacing)
         return out
+
+    def _new_pacing(self, owner: bytes, gamma: int, fixed: bool) -> SessionPacing:
+        """A new session's pacing: a fixed one keeps ``gamma``; an auto one starts from its
+        target's latest auto session, if any, and is the target's latest from now on."""
+        if fixed:
+            return self.policy.new_session(gamma)
+        pacing = self.policy.new_session(None, start=gamma, like=self.owners.get(owner))
+        self.owners.put(owner, pacing)
+        return pacing
 
     def _learn(self, job: DraftJob, pacing: SessionPacing, started: float) -> None:
         """Update the session's estimates from ``job``; after a span alone, add the span's
@@ -175,6 +199,8 @@ class PacedProposer:
                 step = since / len(job.appended)
                 old = pacing.alone_step
                 pacing.alone_step = step if old is None else old + _ALONE_SMOOTHING * (step - old)
+                hub = self.alone_s
+                self.alone_s = step if hub is None else hub + _HUB_ALONE_SMOOTHING * (step - hub)
             return
         # A verify commits exactly one token after the accepted ones: anything else means the
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.

@@ -9,7 +9,8 @@ Terms (per session, times in seconds):
   alpha_i   acceptance of draft position i given positions 1..i-1 were accepted (i = 1..G);
   E[L(g)]   tokens a round with g draft tokens commits: 1 + sum_{k=1..g} prod_{i<=k} alpha_i;
   S(B, g)   the hub's service time for a batch of B jobs whose longest proposal has g tokens,
-            fitted per B as a(B) + (g - 1) b(B) (one feed forward, then g - 1 decode steps);
+            fitted per B as a(B) + (g - 1) b(B) (one feed forward, then g - 1 decode steps),
+            b(B) shrunk toward a line over B fitted to every size's data (ServiceModel);
   R(g)      the round trip outside the hub, from our proposal leaving to the target's next DRAFT
             arriving (its verify of g + 1 positions plus the link), fitted as r0 + r1 g;
   W         how long the session's jobs wait in Q_in before their batch starts;
@@ -29,6 +30,12 @@ Rule (:meth:`GammaPolicy.choose`), over g in 0..G:
   E[L(g)] / (S(B, g) / B), the tokens this session makes per second of hub time it takes (its
   share of the batch); 0 when no such g exists.
 
+Then stability: while the best is within ``common_slack`` (10%) of the gamma the hub's auto
+sessions draft most lately (:class:`CommonGamma`), that one is chosen (sessions on one gamma
+come back together and are drafted in one batch), else while it is within ``hysteresis`` (5%)
+of the session's last gamma, that stays. A new auto session starts from its target's last one
+(:class:`OwnerMemory`: estimate, round trip, T_alone), not from the prior.
+
 gamma 0: the target decodes ``alone`` tokens itself, then its DRAFT (accepted 0) carries them;
 after that span the session drafts once more with a small gamma (a probe, to re-estimate), and
 each consecutive span that the probe does not end doubles, up to ``max_alone``.
@@ -36,7 +43,9 @@ each consecutive span that the probe does not end doubles, up to ``max_alone``.
 
 from __future__ import annotations
 
+import copy
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,12 +61,18 @@ class PolicyParams:
     warmup_rounds: int = 3  # verdicts (with their round trips) before the policy decides
     prior_alpha: float = 0.6
     prior_weight: float = 2.0  # pseudo-observations behind the prior (per position, and pooled)
-    forget: float = 0.93  # per verdict: an observation's weight after n more is forget**n
+    forget: float = 0.97  # per verdict: an observation's weight after n more is forget**n
+    # a shift of acceptance (AcceptanceEstimate): how far the recent verdicts may stray, in
+    # standard deviations, before the old ones are cut to shift_keep of their weight
+    shift_z: float = 3.5
+    shift_keep: float = 0.0
     loaded_busy: float = 0.95  # busy fraction of recent batches that means fully loaded
     # keep the last gamma while the best one is at most this much better: the estimates are
     # noisy and the optimum is flat (alpha 0.7: gamma 3..5 within 1.5% of each other), so a
     # bare argmax flaps, and each flap to a short gamma or to decoding alone costs 7-40%
     hysteresis: float = 0.05
+    # and the hub's common gamma while the best is at most this much better (see choose)
+    common_slack: float = 0.10
     alone_tokens: int = 16  # the first span a session decodes alone
     max_alone: int = 256  # the longest span (consecutive spans double)
 
@@ -69,8 +84,16 @@ class PolicyParams:
             raise ValueError("forget must be in (0, 1) and prior_alpha in [0, 1]")
         if not 1 <= self.alone_tokens <= self.max_alone:
             raise ValueError("need 1 <= alone_tokens <= max_alone")
-        if self.hysteresis < 0:
-            raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
+        if self.shift_z <= 0 or not 0.0 <= self.shift_keep <= 1.0:
+            raise ValueError("need shift_z > 0 and shift_keep in [0, 1]")
+        if self.hysteresis < 0 or self.common_slack < 0:
+            raise ValueError("hysteresis and common_slack must be >= 0")
+
+
+# an outcome's variance in the shift test at least that of alpha 0.9: near alpha 1 a rejection
+# is rare but not a shift (false alarms at a steady 0.95, gamma 14: 0.6 per 100 rounds with a
+# floor of 0.05, 0.13 with 0.09)
+_LEAST_VARIANCE = 0.09
 
 
 class AcceptanceEstimate:
@@ -79,33 +102,52 @@ class AcceptanceEstimate:
     A verdict (g proposed, k accepted) observes position i when i <= g and every earlier
     position was accepted (i <= k + 1); position i was accepted iff k >= i. Every verdict
     discounts all counts by ``forget``, observed or not, so a position the session stopped
-    reaching falls back to the pooled estimate (all positions together) instead of keeping an
-    old value; the pooled estimate itself falls back to the prior. After a shift in acceptance
-    the old observations' weight is forget**n after n rounds (0.93**50 = 0.03).
+    reaching falls back to the position before it instead of keeping an old value (not to the
+    pooled estimate of all positions together: after acceptance fell from 0.9 to 0.3 that
+    still held the old rounds' many deep positions, and E[L(5)] with alpha_2..5 at the pooled
+    0.7 kept a session at gamma 5 for 31 rounds); alpha_1, observed every round, falls back to
+    the pooled estimate, and that to the prior.
+
+    A shift: forgetting alone is slow after one, because the old rounds observed more positions
+    each (at alpha 0.9 and gamma 11, ~7; at 0.3, ~1.4), so that the pooled estimate still read
+    0.76 ten rounds after acceptance fell from 0.9 to 0.3, and a session took up to 107 rounds
+    to settle. So every observed position's outcome is also checked against the alpha_i the
+    estimate had before it: the sum of (outcome - alpha_i), discounted by ``shift_memory`` per
+    verdict, has mean 0 while the estimate is right (each outcome has mean alpha_i given the
+    earlier ones) and a known variance; once it leaves ``shift_z`` standard deviations, the
+    counts are cut to ``shift_keep`` of themselves (default 0: forgotten, back to the prior),
+    so the verdicts since the shift decide (0.9 -> 0.3 at gamma 10 is seen after a median of
+    4 verdicts; at steady acceptance about one false alarm per 500 rounds).
 
     Owned by the drafting thread (it lives in :class:`SessionPacing`).
     """
 
     def __init__(self, max_gamma: int, prior: float = 0.6, weight: float = 2.0,
-                 forget: float = 0.93) -> None:  # fmt: skip
+                 forget: float = 0.97, shift_z: float = 3.5, shift_keep: float = 0.0,
+                 shift_memory: float = 0.7) -> None:  # fmt: skip
         self.max_gamma = max_gamma
         self.prior, self.weight, self.forget = prior, weight, forget
+        self.shift_z, self.shift_keep, self.shift_memory = shift_z, shift_keep, shift_memory
         self.hits = [0.0] * max_gamma  # discounted accepted count per position
         self.seen = [0.0] * max_gamma  # discounted observed count per position
         self.total_hits = 0.0
         self.total_seen = 0.0
         self.rounds = 0  # verdicts observed
+        self.shifts = 0  # shifts detected
+        self._surprise = 0.0  # discounted sum of (outcome - alpha_i) over observed positions
+        self._spread = 0.0  # its variance
         self._expected: list[float] | None = None
 
     def observe(self, proposed: int, accepted: int) -> None:
         """One verdict: ``accepted`` of ``proposed`` draft tokens were kept."""
         if proposed < 1 or not 0 <= accepted <= proposed:
             raise ValueError(f"bad verdict: {accepted} accepted of {proposed}")
-        f = self.forget
-        hits = [h * f for h in self.hits]
-        seen = [n * f for n in self.seen]
         reached = min(proposed, accepted + 1, self.max_gamma)  # positions 1..reached observed
         kept = min(accepted, self.max_gamma)
+        keep = self.shift_keep if self._shifted(reached, kept) else 1.0
+        f = self.forget * keep
+        hits = [h * f for h in self.hits]
+        seen = [n * f for n in self.seen]
         for i in range(reached):
             seen[i] += 1.0
         for i in range(kept):
@@ -116,37 +158,57 @@ class AcceptanceEstimate:
         self.rounds += 1
         self._expected = None
 
+    def _shifted(self, reached: int, kept: int) -> bool:
+        """Add this verdict's positions to the surprise; whether it now says the acceptance
+        shifted (then it starts again)."""
+        alphas = self.alphas()[:reached]
+        m = self.shift_memory
+        self._surprise = self._surprise * m + kept - sum(alphas)
+        self._spread = self._spread * m * m + sum(max(a * (1 - a), _LEAST_VARIANCE) for a in alphas)
+        if self._surprise**2 <= self.shift_z**2 * self._spread:
+            return False
+        self._surprise = self._spread = 0.0
+        self.shifts += 1
+        return True
+
     def pooled(self) -> float:
         """All positions together, with the prior."""
         return (self.total_hits + self.weight * self.prior) / (self.total_seen + self.weight)
 
     def alphas(self) -> list[float]:
-        """alpha_1 .. alpha_G."""
-        pooled, w = self.pooled(), self.weight
-        return [(h + w * pooled) / (s + w) for h, s in zip(self.hits, self.seen, strict=True)]
+        """alpha_1 .. alpha_G: each position's counts shrunk toward the position before it
+        (alpha_1 toward the pooled estimate), so one rarely reached looks like its neighbour."""
+        out, last, w = [], self.pooled(), self.weight
+        for h, n in zip(self.hits, self.seen, strict=True):
+            last = (h + w * last) / (n + w)
+            out.append(last)
+        return out
 
     def expected_tokens(self) -> list[float]:
         """E[L(g)] for g = 0..G (E[L(0)] = 1: the target's own token)."""
         if self._expected is None:
-            pooled, w = self.pooled(), self.weight
-            prior = w * pooled
-            out, run, total = [1.0], 1.0, 1.0
-            for h, n in zip(self.hits, self.seen, strict=True):
-                run *= (h + prior) / (n + w)  # alpha_i
-                total += run
-                out.append(total)
+            out, run = [1.0], 1.0
+            for alpha in self.alphas():
+                run *= alpha
+                out.append(out[-1] + run)
             self._expected = out
         return self._expected
 
 
 class LinearFit:
     """y = c0 + c1 x by least squares with exponential forgetting; the slope is shrunk toward
-    ``slope_prior(mean y, mean x)`` with weight ``ridge`` (in units of x squared), so a
-    session or batch size that always shows the same x gets the prior's slope, not noise."""
+    ``slope_prior`` with weight ``ridge`` (in units of x squared), so a session that always
+    shows the same x gets the prior's slope, not noise. The prior is 0 until x has varied by
+    ``ridge``, then the last slope x's variation told: forgotten observations take their x's
+    variation with them, and a session kept at one gamma (as the hysteresis keeps it) had its
+    round trip's slope shrunk to 0, a verify of 16 tokens priced as one of 2, until a lucky
+    verdict sent it to a long proposal (gamma 2 -> 5 at alpha 0.3, 90 rounds after a switch).
+    """
 
     def __init__(self, forget: float, ridge: float) -> None:
         self.forget, self.ridge = forget, ridge
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.slope_prior = 0.0
 
     def observe(self, x: float, y: float) -> None:
         f = self.forget
@@ -155,53 +217,87 @@ class LinearFit:
         self.sy = self.sy * f + y
         self.sxx = self.sxx * f + x * x
         self.sxy = self.sxy * f + x * y
+        var, cov = self.spread()
+        if var >= self.ridge:  # x varied enough to tell a slope: keep it for when it does not
+            self.slope_prior = max((cov + self.ridge * self.slope_prior) / (var + self.ridge), 0.0)
 
     @property
     def known(self) -> bool:
         return self.w > 0.0
 
-    def coefficients(self, slope_prior: float = 0.0) -> tuple[float, float]:
-        """(c0, c1) with c1 >= 0 and c0 >= 0 (a cost never falls with x, nor below zero)."""
+    def spread(self) -> tuple[float, float]:
+        """(variance, covariance) sums of x and y about their means."""
         mx, my = self.sx / self.w, self.sy / self.w
-        var = max(self.sxx - self.w * mx * mx, 0.0)
-        cov = self.sxy - self.w * mx * my
-        slope = max((cov + self.ridge * slope_prior) / (var + self.ridge), 0.0)
-        return max(my - slope * mx, 0.0), slope
+        return max(self.sxx - self.w * mx * mx, 0.0), self.sxy - self.w * mx * my
+
+    def coefficients(self) -> tuple[float, float]:
+        """(c0, c1) with c1 >= 0 and c0 >= 0 (a cost never falls with x, nor below zero)."""
+        var, cov = self.spread()
+        slope = max((cov + self.ridge * self.slope_prior) / (var + self.ridge), 0.0)
+        return max((self.sy - slope * self.sx) / self.w, 0.0), slope
 
 
 class ServiceModel:
-    """S(B, g) = a(B) + (g - 1) b(B), fitted per batch size from (B, longest g, seconds).
+    """S(B, g) = a(B) + (g - 1) b(B), fitted from each batch drafted (B, longest g, seconds).
 
-    Per B a :class:`LinearFit` of seconds against g - 1, its slope shrunk toward the
-    proportional model (every forward of the batch costs the same: b = a), which is what a
-    hub that always drafts one gamma can tell. Between measured sizes a and b are linear in B;
-    below the smallest they are its; above the largest they go on along the last two sizes'
-    line, never below the largest's (as :class:`starsd.analytic.ServiceCurve`).
+    Per B a :class:`LinearFit` of seconds against g - 1. Its slope b(B) is shrunk toward a line
+    b0 + b1 B fitted to how the cost moved with g within every batch size (:meth:`step_line`,
+    each size's own a(B) kept out, so that a(B) need not be linear): a size whose batches always
+    have about the same longest g (the large ones, where the longest of many proposals varies
+    little) cannot tell b(B) itself, and the small batches, whose longest g varies, can. Before
+    any size saw g vary, the prior is the proportional model (every forward of the batch costs
+    the same: b = a), all that a hub that always drafts one gamma can tell. (That prior alone,
+    per size, priced a step at 2 ms at B = 7 where B = 1 measured 0.4 ms: the sessions of large
+    batches chose short proposals and those alone in a batch long ones, gamma 1..16 at N = 8.)
+
+    Robust to a stall: once anything is known, a batch counts as at most ``clip`` times the
+    cost predicted for it (one 50 ms batch, the first of its size, priced every proposal of a
+    batch of 8 at 50 ms for dozens of batches, and its sessions decoded alone; a lasting
+    slow-down still comes through, by up to ``clip`` times per batch). Between measured sizes a
+    and b are linear in B; below the smallest they are its; above the largest they go on along
+    the last two sizes' line, never below the largest's (as :class:`starsd.analytic.ServiceCurve`).
 
     Owned by the drafting thread (the pacing glue records each batch it drafts).
     """
 
-    def __init__(self, forget: float = 0.95, ridge: float = 1.0) -> None:
-        self.forget, self.ridge = forget, ridge
+    def __init__(self, forget: float = 0.95, ridge: float = 8.0, clip: float = 2.0) -> None:
+        self.forget, self.ridge, self.clip = forget, ridge, clip
         self.fits: dict[int, LinearFit] = {}
         self._sizes: list[int] = []  # sorted keys of fits
         self._memo: dict[tuple[int, int], list[float]] = {}  # costs() since the last observe
+        self._line: tuple[float, float] | None = None  # _step_line() since the last observe
 
     def observe(self, batch: int, gamma: int, seconds: float) -> None:
         """A batch of ``batch`` jobs, the longest with ``gamma`` tokens, took ``seconds``."""
         if batch < 1 or gamma < 1 or not math.isfinite(seconds) or seconds < 0:
             return
+        predicted = self.costs(batch, gamma)
+        if predicted is not None:
+            seconds = min(seconds, self.clip * predicted[gamma])
         fit = self.fits.get(batch)
         if fit is None:
             fit = self.fits[batch] = LinearFit(self.forget, self.ridge)
             self._sizes = sorted(self.fits)
         fit.observe(gamma - 1, seconds)
         self._memo.clear()
+        self._line = None
+
+    def step_line(self) -> tuple[float, float] | None:
+        """(b0, b1): one more draft step costs b0 + b1 B, by least squares over the variation
+        of g within each batch size; b1 >= 0 (a step never gets cheaper with more rows) and
+        b0 + b1 >= 0. None while g varied by less than 1 (in x squared) altogether."""
+        if self._line is None:
+            self._line = _step_line([(b, *fit.spread()) for b, fit in self.fits.items()],
+                                    1.0)  # fmt: skip
+        return None if self._line[0] < 0 else self._line
 
     def _ab(self, batch: int) -> tuple[float, float]:
-        fit = self.fits[batch]
-        mx, my = fit.sx / fit.w, fit.sy / fit.w
-        return fit.coefficients(slope_prior=my / (1.0 + mx))  # proportional: S = (1 + x) a
+        fit, line = self.fits[batch], self.step_line()
+        prior = (fit.sy / (fit.w + fit.sx) if line is None  # proportional: S = (1 + x) a
+                 else line[0] + line[1] * batch)  # fmt: skip
+        var, cov = fit.spread()
+        slope = max((cov + self.ridge * prior) / (var + self.ridge), 0.0)
+        return max((fit.sy - slope * fit.sx) / fit.w, 0.0), slope
 
     def costs(self, batch: int, max_gamma: int) -> list[float] | None:
         """[S(B, g) for g = 0..max_gamma] (index 0 is 0: no drafting), None before any data."""
@@ -228,6 +324,22 @@ class ServiceModel:
             if batch > sizes[-1]:
                 a, b = max(a, a1), max(b, b1)
         return [0.0] + [a + (g - 1) * b for g in range(1, max_gamma + 1)]
+
+
+def _step_line(spreads: Sequence[tuple[int, float, float]], least: float) -> tuple[float, float]:
+    """b0 + b1 B through per-size (B, variance of x, covariance of x and y) by weighted least
+    squares (the within-size, or fixed-effects, estimator); (-1, 0) when the variances sum to
+    less than ``least``. A falling line (b1 < 0) is refitted as a constant."""
+    m0 = sum(v for _, v, _ in spreads)
+    if m0 < least:
+        return -1.0, 0.0
+    m1, m2 = sum(v * b for b, v, _ in spreads), sum(v * b * b for b, v, _ in spreads)
+    c0, c1 = sum(c for _, _, c in spreads), sum(c * b for b, _, c in spreads)
+    det = m0 * m2 - m1 * m1
+    b1 = (m0 * c1 - m1 * c0) / det if det > 1e-9 * m0 * m2 else 0.0
+    if b1 <= 0.0:
+        return max(c0 / m0, 0.0), 0.0
+    return max((c0 - b1 * m1) / m0, -b1), b1
 
 
 class LoadMeter:
@@ -268,6 +380,32 @@ class Load:
     batch: int  # B: jobs in this batch
     loaded: bool  # the hub is fully loaded (see LoadMeter)
     costs: Sequence[float]  # S(B, g) for g = 0..G (index 0 unused)
+    common: int = 0  # the gamma the hub's auto sessions draft most lately (CommonGamma), 0: none
+    # T_alone measured on the hub's sessions lately, for a session that has not measured its own
+    # (R(1), the fallback, errs high by the link and a verify: at N = 64 a session that had not
+    # decoded alone yet rarely started to, and auto read 0.91x or 1.07-1.22x the best fixed
+    # gamma as 17% or 30% of the rounds happened to be alone)
+    alone_s: float | None = None
+
+
+class CommonGamma:
+    """The gamma (>= 1) the hub's auto sessions chose most lately: each choice a vote, every
+    vote's weight ``decay`` times smaller after each later one. Owned by the drafting thread."""
+
+    def __init__(self, max_gamma: int, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.votes = [0.0] * (max_gamma + 1)
+
+    def vote(self, gamma: int) -> None:
+        """An auto session chose ``gamma`` (0, alone, is no vote: it drafts nothing)."""
+        if 1 <= gamma < len(self.votes):
+            self.votes = [v * self.decay for v in self.votes]
+            self.votes[gamma] += 1.0
+
+    def mode(self) -> int:
+        """The gamma with the most weight, 0 before any vote."""
+        best = max(range(len(self.votes)), key=self.votes.__getitem__)
+        return best if self.votes[best] > 0 else 0
 
 
 @dataclass
@@ -299,14 +437,43 @@ class SessionPacing:
     probing: bool = False  # the proposal in flight is the probe after a span alone
     decision: tuple[int, int, int] | None = None  # (seq, gamma, span) decided, not yet sent
 
-    def step_alone(self) -> float | None:
-        """T_alone: measured, else R(1) (see the module docstring), None while unknown."""
+    def step_alone(self, hub: float | None = None) -> float | None:
+        """T_alone: measured, else ``hub`` (the hub's other sessions' lately), else R(1) (see
+        the module docstring), None while unknown."""
         if self.alone_step is not None:
             return self.alone_step
+        if hub is not None:
+            return hub
         if not self.round_trip.known:
             return None
         r0, r1 = self.round_trip.coefficients()
         return r0 + r1 if r0 + r1 > 0 else None
+
+
+class OwnerMemory:
+    """The latest auto session of each target (by its owner key, a CURVE key or a routing id),
+    for :meth:`GammaPolicy.new_session` to start that target's next session from; at most
+    ``limit`` targets, the least recently seen forgotten first. The session is kept as it is
+    (it goes on learning while it lives), a verdict it held at its close included (a span's
+    tokens, and for EAGLE their feature rows), until its target's next session replaces it or
+    the bound drops it. Owned by the drafting thread."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._latest: OrderedDict[bytes, SessionPacing] = OrderedDict()
+
+    def get(self, owner: bytes) -> SessionPacing | None:
+        """The target's latest auto session, None if none is remembered."""
+        return self._latest.get(owner)
+
+    def put(self, owner: bytes, pacing: SessionPacing) -> None:
+        """``pacing`` is the target's latest auto session now."""
+        self._latest[owner] = pacing
+        self._latest.move_to_end(owner)
+        while len(self._latest) > self.limit:
+            self._latest.popitem(last=False)
 
 
 class GammaPolicy:
@@ -316,12 +483,28 @@ class GammaPolicy:
     def __init__(self, params: PolicyParams = PolicyParams()) -> None:
         self.params = params
 
-    def new_session(self, fixed: int | None, start: int | None = None) -> SessionPacing:
-        """A session's state; ``fixed`` None for auto (its first rounds draft ``start``)."""
+    def new_session(self, fixed: int | None, start: int | None = None,
+                    like: SessionPacing | None = None) -> SessionPacing:  # fmt: skip
+        """A session's state; ``fixed`` None for auto (its first rounds draft ``start``).
+
+        ``like``: an earlier auto session of the same target (:class:`OwnerMemory`). An auto
+        session then starts from copies of its acceptance estimate, round trip fit, T_alone,
+        queue wait and last choice, instead of the prior and a warm-up: a session lasts
+        only a few dozen rounds (128 tokens at alpha 0.7: ~46), and started from the prior
+        (0.6, below the emulated 0.7) and from noisy first verdicts its first ~15 rounds chose
+        gamma 1..16. What it inherits is forgotten like its own old verdicts, so a target whose
+        acceptance changed is followed as fast as within one session.
+        """
         p = self.params
+        if fixed is None and like is not None:
+            return SessionPacing(fixed=None, alone_span=p.alone_tokens,
+                                 estimate=copy.deepcopy(like.estimate),
+                                 round_trip=copy.copy(like.round_trip), alone_step=like.alone_step,
+                                 wait=like.wait, chosen=like.chosen or p.start_gamma)  # fmt: skip
         pacing = SessionPacing(fixed=fixed, alone_span=p.alone_tokens,
                                estimate=AcceptanceEstimate(p.max_gamma, p.prior_alpha,
-                                                           p.prior_weight, p.forget))  # fmt: skip
+                                                           p.prior_weight, p.forget, p.shift_z,
+                                                           p.shift_keep))  # fmt: skip
         pacing.chosen = fixed if fixed is not None else (start or p.start_gamma)
         if fixed == 0:  # --gamma 0: never drafts, so the longest spans cost fewest round trips
             pacing.alone_span = p.max_alone
@@ -353,16 +536,31 @@ class GammaPolicy:
     def choose(self, s: SessionPacing, load: Load, allow_alone: bool = True) -> int:
         """The rule of the module docstring (:func:`starsd.analytic.best_gamma`, which the
         analytic model's auto gamma applies too) on this session's figures, with hysteresis:
-        the last gamma stays while the best is within ``hysteresis`` of it."""
+        while the best is within ``common_slack`` of the hub's common gamma (``load.common``),
+        that is chosen (unless the session decodes alone or would), else while it is within
+        ``hysteresis`` of the last gamma, that stays.
+
+        Why the common gamma first: sessions that draft the same gamma verify for the same time
+        and come back together, so the hub drafts them in one batch; sessions spread over
+        gamma 3..7 (each a few percent from its own noisy optimum) came back apart, the hub
+        drafted batches of 4.2 instead of 6.0 whose longest proposal set everybody's wait, and
+        auto lost 11% to a fixed gamma 4 at N = 8 while choosing 4 on average.
+        """
         r0, r1 = s.round_trip.coefficients()
         top = min(self.params.max_gamma, len(load.costs) - 1)
         outside = [s.wait + r0 + r1 * g for g in range(top + 1)]
         expected = s.estimate.expected_tokens()
         rates = gamma_rates(expected, load.costs, outside,
-                            s.step_alone() if allow_alone else None, load.batch,
+                            s.step_alone(load.alone_s) if allow_alone else None, load.batch,
                             load.loaded)  # fmt: skip
-        best, last = pick_gamma(rates), s.chosen
-        near = 0 <= last < len(rates) and rates[last] > 0
-        if near and rates[last] * (1.0 + self.params.hysteresis) >= rates[best]:
-            return last
+        best, p = pick_gamma(rates), self.params
+        # (0: no common gamma yet.) It aligns drafting sessions only: neither calls one back
+        # from decoding alone nor keeps one from it (sessions flapped between alone and a
+        # common gamma 2 at alpha 0.3, both within 10%, and one at 8, the common gamma of its
+        # own votes, stayed there for 38 rounds after acceptance fell to 0.3)
+        common = load.common if load.common >= 1 and s.chosen != 0 and best != 0 else -1
+        for keep, slack in ((common, p.common_slack), (s.chosen, p.hysteresis)):
+            near = 0 <= keep < len(rates) and rates[keep] > 0
+            if near and rates[keep] * (1.0 + slack) >= rates[best]:
+                return keep
         return best
