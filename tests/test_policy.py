@@ -10,16 +10,14 @@ import statistics
 
 import pytest
 
+from starsd.hub.estimates import AcceptanceEstimate, LinearFit, ServiceModel
 from starsd.hub.policy import (
-    AcceptanceEstimate,
     CommonGamma,
     GammaPolicy,
-    LinearFit,
     Load,
     LoadMeter,
     OwnerMemory,
     PolicyParams,
-    ServiceModel,
     SessionPacing,
 )
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from starsd import protocol
 from starsd.hub.drafters.base import DraftJob, Proposer
+from starsd.hub.estimates import ServiceModel
 from starsd.hub.policy import (
     CommonGamma,
     GammaPolicy,
@@ -44,7 +45,6 @@ from starsd.hub.policy import (
     LoadMeter,
     OwnerMemory,
     Pending,
-    ServiceModel,
     SessionPacing,
 )
 from starsd.hub.sessions import SessionTable
