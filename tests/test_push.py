@@ -22,7 +22,7 @@ from test_predraft import first_round, idle, same
 
 from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
-from edge.client import HubClient, TargetInfo
+from edge.client import HubClient, TargetInfo, push_for
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
 from starsd import models, protocol, transport
@@ -214,6 +214,16 @@ def test_an_open_asking_for_too_many_pushes_is_refused() -> None:
     assert refused.value.code == ErrorCode.INVALID_ARGUMENT
 
 
+def test_plain_sampling_asks_for_no_pushes() -> None:
+    """Catches pushes asked for dense-q sessions: each branch would carry gamma x V float32 of
+    q (2 MB a round at V = 32000 and 4 branches), more than the round trip saves on a slow link;
+    greedy and truncated sampling (q as its support only) keep them."""
+    assert push_for(SamplingParams(), 4) == 4
+    assert push_for(SamplingParams(1.0, top_k=6), 4) == 4
+    assert push_for(SamplingParams(0.8, top_p=0.9), 4) == 4
+    assert push_for(SamplingParams(0.8), 4) == 0
+
+
 # ------------------------------------------------------------------------------ end to end
 
 
@@ -269,7 +279,7 @@ async def test_greedy_with_pushed_branches_equals_generate(
 
 
 @pytest.mark.parametrize("params", [SamplingParams(0.8, top_k=2, seed=11),
-                                    SamplingParams(0.3, seed=5)], ids=str)
+                                    SamplingParams(0.3, top_p=0.9, seed=5)], ids=str)
 async def test_seeded_sampling_with_pushes_equals_the_same_run_without(
     running_hub: RunningHub, llama_target: models.LoadedModel, params: SamplingParams
 ) -> None:
