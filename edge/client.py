@@ -102,12 +102,14 @@ class TargetInfo:
     push: int = 0  # pushed branches per round its sessions take (Open.push; 0: none)
 
 
-def push_for(params: SamplingParams, push: int) -> int:
-    """The pushed branches a session asks for: ``push``, but none for plain sampling, whose
-    every branch would carry q dense (gamma x V float32: 128 KB per 4 branches of 4 tokens at
-    V = 2048, 2 MB at V = 32000) and cost a slow link more than the round trip it saves;
-    greedy branches carry no q and top-k / top-p ones only their support."""
-    return push if params.greedy or params.truncated else 0
+def push_for(params: SamplingParams, push: int, offered: int) -> int:
+    """The pushed branches a session asks for: ``push``, at most what the hub ``offered`` in
+    WELCOME (0 from a hub that predates pushes: it would refuse an OPEN with the field), and
+    none for plain sampling, whose every branch would carry q dense (gamma x V float32: 128 KB
+    per 4 branches of 4 tokens at V = 2048, 2 MB at V = 32000) and cost a slow link more than
+    the round trip it saves; greedy branches carry no q and top-k / top-p ones only their
+    support."""
+    return min(push, offered) if params.greedy or params.truncated else 0
 
 
 class HubClient:
@@ -265,8 +267,9 @@ class HubClient:
         ref = next(self._refs)
         inbox: asyncio.Queue[protocol.Message] = asyncio.Queue()
         self._waiting[ref] = inbox
+        offered = self.welcome.push if self.welcome is not None else 0
         msg = Open(ref, np.asarray(prompt, dtype=np.int32), params, gamma, features,
-                   push=push_for(params, self.info.push))  # fmt: skip
+                   push=push_for(params, self.info.push, offered))  # fmt: skip
         try:
             await transport.send(self.sock, msg)
             reply = await asyncio.wait_for(inbox.get(), timeout)

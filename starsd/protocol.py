@@ -111,6 +111,9 @@ class Welcome:
     sessions: int = field(default=0, metadata={"sparse": True})  # open sessions, all targets
     queue: int = field(default=0, metadata={"sparse": True})  # draft jobs waiting in Q_in
     busy: float = field(default=0.0, metadata={"sparse": True})  # drafting busy fraction, last ~2 s
+    # pushed branches per round this hub sends to a session that asks (Open.push); 0 or absent
+    # (older hubs, whose OPEN decoder would refuse the field): a target must not ask
+    push: int = field(default=0, metadata={"sparse": True})
 
 
 @dataclass(frozen=True)

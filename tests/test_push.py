@@ -10,6 +10,7 @@ without pushes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -218,10 +219,28 @@ def test_plain_sampling_asks_for_no_pushes() -> None:
     """Catches pushes asked for dense-q sessions: each branch would carry gamma x V float32 of
     q (2 MB a round at V = 32000 and 4 branches), more than the round trip saves on a slow link;
     greedy and truncated sampling (q as its support only) keep them."""
-    assert push_for(SamplingParams(), 4) == 4
-    assert push_for(SamplingParams(1.0, top_k=6), 4) == 4
-    assert push_for(SamplingParams(0.8, top_p=0.9), 4) == 4
-    assert push_for(SamplingParams(0.8), 4) == 0
+    assert push_for(SamplingParams(), 4, 4) == 4
+    assert push_for(SamplingParams(1.0, top_k=6), 4, 4) == 4
+    assert push_for(SamplingParams(0.8, top_p=0.9), 4, 4) == 4
+    assert push_for(SamplingParams(0.8), 4, 4) == 0
+
+
+def test_a_target_asks_only_for_the_pushes_its_hub_offers() -> None:
+    """Catches a target that sends ``push`` to a hub whose WELCOME offered none: a hub that
+    predates pushes refuses an OPEN with an unknown field, so every sequence would decode
+    alone; and one that asks for more branches than the hub drafts."""
+    assert push_for(SamplingParams(), 4, 0) == 0
+    assert push_for(SamplingParams(), 8, 4) == 4
+
+
+async def test_the_hub_offers_its_pre_drafted_branches_in_welcome(
+    running_hub: RunningHub, llama_target: models.LoadedModel
+) -> None:
+    """Catches a hub that pre-drafts but offers no pushes (targets would never ask), and a
+    WELCOME whose ``push`` an older target could not read (it is sparse: absent at 0)."""
+    assert running_hub.hub.welcome.push == 4
+    assert b"push" not in bytes(protocol.encode(dataclasses.replace(
+        running_hub.hub.welcome, push=0))[0])  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ end to end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from pathlib import Path
@@ -36,7 +37,10 @@ def build_hub(config: HubConfig) -> Hub:
         heartbeat_ms=int(1000 * config.heartbeat_s),
         feature_width=proposer.feature_width,
     )
-    return Hub(config, proposer, welcome, predrafter_for(proposer, config))
+    predrafter = predrafter_for(proposer, config)
+    if predrafter is not None:  # its branches go to the sessions that ask for them
+        welcome = dataclasses.replace(welcome, push=min(predrafter.branches, protocol.MAX_PUSH))
+    return Hub(config, proposer, welcome, predrafter)
 
 
 def predrafter_for(proposer: Proposer, config: HubConfig) -> Predrafter | None:
