@@ -2,14 +2,13 @@
 
 Each target is given both hubs (``--hub A,B``) and spreads its sequences over them; when one hub
 dies its sequences must re-open on the survivor from their committed tokens: every greedy output
-still equals the target alone, the survivor's session count rises, and no sequence decodes a
+still equals the target alone, the moved sequences resume on the survivor, and no sequence decodes a
 token alone once it is speculating on the survivor (standalone steps happen only while the loss
 is being detected). Heartbeats are short (0.3 s, detection within 3 of them).
 """
 
 from __future__ import annotations
 
-import re
 import signal
 from pathlib import Path
 
@@ -33,11 +32,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return build_pair(tmp_path_factory.mktemp("failover"), "llama")
 
 
-def _sessions(log: str) -> list[int]:
-    """The hub's open sessions, one per stats line, in order."""
-    return [int(n) for n in re.findall(r"hub: targets=\d+ sessions=(\d+)", log)]
-
-
 def test_two_hubs_three_targets_one_hub_killed_outputs_exact_and_sessions_move(
     tmp_path: Path, pair: tuple[Path, Path]
 ) -> None:
@@ -55,7 +49,6 @@ def test_two_hubs_three_targets_one_hub_killed_outputs_exact_and_sessions_move(
     victim, survivor = hubs
     wait_for(victim.log_path, r"hub: targets=3 sessions=[1-9]", victim.proc, timeout=30)
     wait_for(survivor.log_path, r"hub: targets=3 sessions=\d+", survivor.proc, timeout=30)
-    before = _sessions(survivor.text())[-1]
     victim.stop(signal.SIGKILL)
     rows = []
     for t in targets:
@@ -66,7 +59,11 @@ def test_two_hubs_three_targets_one_hub_killed_outputs_exact_and_sessions_move(
         assert row["token_ids"] == expected[row["prompt"]], row["prompt"]
     moved = [r["stats"] for r in rows if r["stats"]["moves"]]
     assert moved, "no sequence moved: the kill landed after the run"
-    assert max(_sessions(survivor.text())) > before
+    # (moves counts a sequence once a proposal from its new hub was verified: the survivor is
+    # the only live hub; its open-session count in the sampled stats lines need not rise above
+    # the last line before the kill when the kill lands late in the run: CI saw 7 and 7)
+    assert all(f"to {survivor.endpoint}" in line for t in targets
+               for line in t.text().splitlines() if "sequence moved from hub" in line)
     assert all(s["standalone_after_move"] == 0 for s in moved), moved
     resumed = sorted(s["resume_s"] for s in moved)
     print(f"\n[failover] {len(moved)} sequences moved; detection -> speculating again on the "
