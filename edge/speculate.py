@@ -233,6 +233,10 @@ async def _session_error(
         log.info("hub cannot draft further for this sequence: finishing alone")
         await client.close_session(session.tag)
         return None, True
+    if msg.code == ErrorCode.SHUTTING_DOWN:  # the whole hub drains, not just this session: it
+        # is lost now (its hub-wide ERROR may come later), so this and its other sequences
+        # move, counted as moves, and none is placed there again meanwhile
+        client.mark_down(f"{msg.code}: {msg.message}")
     if msg.code in _REOPEN:
         log.info("session %s: %s (%s); re-opening", session.tag.hex()[:8], msg.code, msg.message)
         return None, False
