@@ -171,7 +171,8 @@ class DraftingEngine:
 
     def _push(self, tag: bytes, proposals: list[Proposal]) -> int:
         """Send a session's pushed branches to its target (drafting thread, from the
-        pre-drafter); how many went out. None once its verdict is in: too late to help."""
+        pre-drafter); how many went out (hub stats ``pushed``). None once its verdict is in, too
+        late to help (counted ``push_late``), or its session is gone."""
         with self.lock:
             session = self.table.sessions.get(tag)
             if session is None or session.in_flight:

@@ -78,7 +78,6 @@ class PredraftStats:
     answered: int = 0  # verdicts of sessions that had been offered for pre-drafting
     branches: int = 0  # branches drafted
     late_hits: int = 0  # hits whose branch was still being drafted (finished on the spot)
-    pushed: int = 0  # branches sent to their targets ahead of the verdict
     taken: int = 0  # verdicts whose target had already taken a pushed branch
     busy_s: float = 0.0  # time spent pre-drafting (off the critical path by construction)
 
@@ -106,7 +105,7 @@ class Predrafter:
         self.stats = PredraftStats()
         # sends a session's pushed branches (tag, proposals) and returns how many went out;
         # set by the engine (it owns the sockets and the lock); None: nothing is pushed
-        self.push: Callable[[bytes, list[Proposal]], int] | None = None
+        self.send_branches: Callable[[bytes, list[Proposal]], int] | None = None
 
     # ------------------------------------------------------------------ the engine's calls
 
@@ -124,7 +123,7 @@ class Predrafter:
 
     def connect_push(self, send: Callable[[bytes, list[Proposal]], int]) -> None:
         """Push branches to the targets that take them through ``send`` (the engine's)."""
-        self.push = send
+        self.send_branches = send
 
     def has_work(self) -> bool:
         """Whether a pre-draft step would do anything, and is worth doing at this load."""
@@ -235,7 +234,7 @@ class Predrafter:
         """Send the session's branches among ``rows`` (most likely first) that have this
         round's gamma drawn and are not out yet to its target, as many as it takes: a verdict
         that matches one is then verified without waiting for the hub."""
-        if self.push is None or len(waiting.pushed) >= waiting.push:
+        if self.send_branches is None or len(waiting.pushed) >= waiting.push:
             return
         state, proposals = waiting.state, []
         for row in rows:
@@ -243,10 +242,9 @@ class Predrafter:
             if _key(row) not in waiting.pushed and 1 <= gamma <= len(row.tokens):
                 proposals.append(_branch_proposal(row, gamma, state))
         proposals = proposals[: waiting.push - len(waiting.pushed)]
-        for proposal in proposals[: self.push(waiting.tag, proposals)]:
+        for proposal in proposals[: self.send_branches(waiting.tag, proposals)]:
             assert proposal.branch is not None
             waiting.pushed[proposal.branch] = len(proposal.tokens)
-            self.stats.pushed += 1
 
     def _pushed(self, waiting: Waiting, job: DraftJob) -> LlmRow | None:
         """The branch a DRAFT with ``taken`` says its target took: pushed with that length
