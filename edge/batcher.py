@@ -87,9 +87,14 @@ class BatchStats:
 class Batcher:
     """The target's model thread, shared by all its sequences (see the module docstring)."""
 
-    def __init__(self, backend: VerifierBackend, max_batch: int = 32,
-                 pool: ThreadPoolExecutor | None = None,
-                 stats: BatchStats | None = None, gather: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: VerifierBackend,
+        max_batch: int = 32,
+        pool: ThreadPoolExecutor | None = None,
+        stats: BatchStats | None = None,
+        gather: bool = True,
+    ) -> None:
         """``pool``: the model thread (default: one of our own, shut down by :meth:`aclose`);
         ``stats``: where to count forwards and rows (default: a fresh one); ``gather``: wait
         for the sequences whose next item is due within one forward's time."""
@@ -120,14 +125,16 @@ class Batcher:
         token: int = await self._submit(WorkItem(STEP, seq, self._future()))
         return token
 
-    async def verify(self, seq: TargetSequence, drafts: Sequence[int],
-                     q_probs: torch.Tensor | None) -> tuple[int, list[int]]:  # fmt: skip
+    async def verify(
+        self, seq: TargetSequence, drafts: Sequence[int], q_probs: torch.Tensor | None
+    ) -> tuple[int, list[int]]:
         """Verify a proposal and commit; (accepted, appended) as :func:`verifier.verify_batch`.
 
         Raises ValueError for a proposal the verifier refuses (other rows are unaffected).
         """
         result: tuple[int, list[int]] = await self._submit(
-            WorkItem(VERIFY, seq, self._future(), drafts, q_probs))  # fmt: skip
+            WorkItem(VERIFY, seq, self._future(), drafts, q_probs)
+        )
         return result
 
     def watch(self, seq: TargetSequence, callback: Callable[[TargetSequence], None] | None) -> None:
@@ -153,8 +160,9 @@ class Batcher:
     async def __aenter__(self) -> Batcher:
         return self
 
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     # ------------------------------------------------------------------ the worker
@@ -231,8 +239,10 @@ class Batcher:
         self.stats.record(kinds)
         if len(kinds) == self.max_batch and not self._full_logged:
             self._full_logged = True
-            log.info("a forward took --max-batch %d rows: more sequences wait for the next one",
-                     self.max_batch)  # fmt: skip
+            log.info(
+                "a forward took --max-batch %d rows: more sequences wait for the next one",
+                self.max_batch,
+            )
         for item, result in zip(batch, results, strict=True):
             if self.returns is not None and item.kind == VERIFY and not item.seq.done:
                 self.returns.sent(id(item.seq), finished)  # its DRAFT goes out now

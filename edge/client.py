@@ -10,21 +10,36 @@ While the hub is down, a background task re-sends HELLO every interval; each acc
 starts a new ``generation``, and sessions of older generations are gone. Sequences never wait
 for any of this: they read ``up`` and ``generation`` and decode on their own meanwhile
 (edge.speculate).
+
+A hub is trusted for drafts only, never for the target's liveness or memory. Everything it sends
+is read under a budget (:mod:`starsd.budget`): what the target asked for is free (per session,
+one proposal and the pushed branches it asked for per request; the PONG to its own PING; the
+OPENED of its OPEN), everything else spends a small rate, and past it messages are dropped
+before they are decoded; the read loop yields to the event loop every ``YIELD_EVERY`` messages,
+so a flooding hub cannot starve the other hubs, the model thread's callbacks or an HTTP server
+on the same loop. Every number a WELCOME carries is clamped or refused (:func:`checked_welcome`),
+a session's inbox is bounded, and a hub that sends what no honest hub would (a proposal the
+target refuses, an unexpected error) is set aside for a while (:meth:`HubClient.strike`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
+import zmq
 import zmq.asyncio
 
-from starsd import curve_client, protocol, transport
+from starsd import curve_client, limits, protocol, transport
+from starsd.budget import PeerBudget, Rates
+from starsd.logsafe import Throttle, printable
 from starsd.protocol import (
     Close,
     Draft,
@@ -45,8 +60,7 @@ from starsd.protocol import (
 log = logging.getLogger("edge.client")
 
 # Errors that mean "this connection is not (or no longer) known to the hub".
-_HUB_LOST = frozenset({ErrorCode.NOT_WELCOMED, ErrorCode.SHUTTING_DOWN,
-                       ErrorCode.UNAUTHENTICATED})  # fmt: skip
+_HUB_LOST = frozenset({ErrorCode.NOT_WELCOMED, ErrorCode.SHUTTING_DOWN, ErrorCode.UNAUTHENTICATED})
 
 
 class HubError(RuntimeError):
@@ -65,6 +79,15 @@ class HubUnavailable(HubError):
 
 
 MIN_SESSION_COST = 0.01  # busy fraction one session is assumed to cost an idle hub
+HEARTBEAT_MS_RANGE = (100, 60_000)  # a WELCOME's heartbeat is clamped into this
+YIELD_EVERY = 32  # messages read from one hub before the read loop lets others run
+# Unsolicited messages (PINGs, errors, anything not asked for) per second a hub may send: an
+# honest hub sends one PONG per PING and a few errors; the rest is dropped undecoded.
+HUB_RATES = Rates(base_per_s=50.0, per_session_per_s=20.0, burst_s=2.0)
+INBOX_LIMIT = 16  # messages waiting for one sequence (beyond: dropped, the hub is over-sending)
+STRIKE_BASE_S = 2.0  # a misbehaving hub is set aside this long, doubling per strike...
+STRIKE_MAX_S = 60.0  # ...up to this
+_BUDGET_KEY = b"hub"  # one bucket per client: a client talks to one hub
 
 
 @dataclass(frozen=True)
@@ -112,14 +135,54 @@ def push_for(params: SamplingParams, push: int, offered: int) -> int:
     return min(push, offered) if params.greedy or params.truncated else 0
 
 
+def checked_welcome(welcome: Welcome) -> tuple[Welcome, list[str]]:
+    """``welcome`` with every number it carries brought into range, and what was changed.
+
+    Raises HubError(INCOMPATIBLE) for what cannot be clamped: another protocol version, an
+    epoch of the wrong size, a feature dtype the target cannot send. The heartbeat is clamped
+    (a 0 would make the client PING in a tight loop), gammas into 0..limits.MAX_GAMMA, the
+    push offer into 0..limits.MAX_PUSH; load figures are clamped by :class:`HubLoad`.
+    """
+    if welcome.version != protocol.PROTOCOL_VERSION:
+        raise HubError(ErrorCode.INCOMPATIBLE, f"protocol version {welcome.version}")
+    if len(welcome.epoch) != protocol.EPOCH_BYTES:
+        raise HubError(ErrorCode.INCOMPATIBLE, f"an epoch of {len(welcome.epoch)} bytes")
+    if welcome.feature_width and welcome.feature_dtype not in ("float16", "float32"):
+        raise HubError(ErrorCode.INCOMPATIBLE, f"feature dtype {printable(welcome.feature_dtype)}")
+    max_gamma = _clamp(welcome.max_gamma, 1, limits.MAX_GAMMA)
+    fixed: dict[str, Any] = {
+        "heartbeat_ms": _clamp(welcome.heartbeat_ms, *HEARTBEAT_MS_RANGE),
+        "max_gamma": max_gamma,
+        "default_gamma": _clamp(welcome.default_gamma, 0, max_gamma),
+        "push": _clamp(welcome.push, 0, limits.MAX_PUSH),
+    }
+    changed = [
+        f"{name} {getattr(welcome, name)} -> {value}"
+        for name, value in fixed.items()
+        if getattr(welcome, name) != value
+    ]
+    return replace(welcome, **fixed), changed
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return min(high, max(low, value))
+
+
 class HubClient:
-    """Session-level API over the DEALER socket: ``open``, ``draft``, ``close_session``."""
+    """Session-level API over the DEALER socket: ``open``, ``draft``, ``close_session``.
+
+    Owned by the event loop: every method and callback runs there, so nothing here is locked.
+    """
 
     def __init__(
-        self, ctx: zmq.asyncio.Context, endpoint: str, info: TargetInfo,
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        info: TargetInfo,
         curve: curve_client.CurveClientConfig | None = None,
-    ) -> None:  # fmt: skip
-        self.sock, self._watch = transport.dealer(ctx, endpoint, curve)
+    ) -> None:
+        frames = limits.target_max_frame_bytes(info.vocab_size)
+        self.sock, self._watch = transport.dealer(ctx, endpoint, curve, max_frame_bytes=frames)
         self.endpoint = endpoint
         self.info = info
         self.welcome: Welcome | None = None  # None while the hub is down or not yet reached
@@ -132,7 +195,6 @@ class HubClient:
         self._waiting: dict[int | bytes, asyncio.Queue[protocol.Message]] = {}
         self._hello: asyncio.Future[protocol.Message] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._pending: set[asyncio.Future[None]] = set()
         self._stats: dict[int, asyncio.Future[Stats]] = {}
         # Placement (edge.hubs): the hub's last load report, sessions placed here by this
         # target in all, and how many of them that report (or the PING it answered) saw.
@@ -141,6 +203,15 @@ class HubClient:
         self._placed_reported = 0
         self._placed_at_ping = 0
         self._full_until = 0.0  # RESOURCE_EXHAUSTED: place no session here until then
+        # Defences against the hub (module docstring): the read budget, what each session may
+        # still be sent (tag -> messages), the PING we wait a PONG for, strikes.
+        self._budget = PeerBudget(HUB_RATES)
+        self._credit: dict[bytes, int] = {}
+        self._ping_nonce: int | None = None
+        self._strikes = 0
+        self._set_aside_until = 0.0
+        self._throttle = Throttle()
+        self.dropped = 0  # messages from this hub dropped (over budget, unsolicited, too many)
 
     @property
     def placed_since_report(self) -> int:
@@ -164,6 +235,30 @@ class HubClient:
         """Whether the hub is currently believed to be serving this target."""
         return self.welcome is not None
 
+    @property
+    def max_gamma(self) -> int:
+        """The most draft tokens a proposal of this hub may carry (its WELCOME, clamped)."""
+        return self.welcome.max_gamma if self.welcome is not None else limits.MAX_GAMMA
+
+    def strike(self, reason: str) -> None:
+        """The hub sent something no honest hub sends (a proposal the target refuses, an
+        unexpected error): place no session on it for a while, doubling with each strike."""
+        self._strikes += 1
+        hold = min(STRIKE_MAX_S, STRIKE_BASE_S * 2 ** (self._strikes - 1))
+        self._set_aside_until = time.monotonic() + hold
+        if self._throttle.allow("strike") is not None:
+            log.warning(
+                "hub %s misbehaved (%s): no new sessions there for %.0f s (strike %d)",
+                self.endpoint,
+                printable(reason),
+                hold,
+                self._strikes,
+            )
+
+    def set_aside(self) -> bool:
+        """Whether the hub is being avoided after a strike."""
+        return time.monotonic() < self._set_aside_until
+
     async def connect(self, timeout: float = 10.0) -> Welcome:
         """First HELLO/WELCOME; raises HubError if refused, HubUnavailable if no answer.
 
@@ -172,8 +267,10 @@ class HubClient:
         """
         if self._watch is not None:
             await self._watch.wait(timeout_s=min(timeout, 1.0))
-        self._tasks = [asyncio.create_task(self._read_loop()),
-                       asyncio.create_task(self._liveness_loop())]  # fmt: skip
+        self._tasks = [
+            asyncio.create_task(self._read_loop()),
+            asyncio.create_task(self._liveness_loop()),
+        ]
         return await self._handshake(timeout)
 
     async def _handshake(self, timeout: float) -> Welcome:
@@ -188,12 +285,12 @@ class HubClient:
         except asyncio.TimeoutError:
             raise HubUnavailable(f"no WELCOME from the hub within {timeout:.1f} s") from None
         if isinstance(reply, Error):
-            raise HubError(reply.code, reply.message)
+            raise HubError(reply.code, printable(reply.message))
         assert isinstance(reply, Welcome)
-        if reply is not self.welcome:  # the other waiter on this HELLO may have taken it already
-            self._check_welcome(reply)
+        if self.welcome is None or reply.epoch != self.welcome.epoch or not self.up:
+            reply = self._check_welcome(reply)
             self._welcomed(reply)
-        return reply
+        return self.welcome or reply
 
     def _welcomed(self, welcome: Welcome) -> None:
         self.welcome = self.announced = welcome
@@ -201,35 +298,55 @@ class HubClient:
         self.heartbeat_s = welcome.heartbeat_ms / 1000
         self.last_heard = time.monotonic()
         self._reported(HubLoad.of(welcome), self.placed)
-        log.info("connected to hub %s at %s (draft %s, gamma %d, generation %d, %d sessions)",
-                 welcome.epoch.hex(), self.endpoint, welcome.model, welcome.default_gamma,
-                 self.generation, welcome.sessions)  # fmt: skip
+        log.info(
+            "connected to hub %s at %s (draft %s, gamma %d, generation %d, %d sessions)",
+            welcome.epoch.hex(),
+            self.endpoint,
+            printable(welcome.model),
+            welcome.default_gamma,
+            self.generation,
+            self.load.sessions,
+        )
 
-    def _check_welcome(self, welcome: Welcome) -> None:
+    def _check_welcome(self, welcome: Welcome) -> Welcome:
         # The hub checks too; checking here as well means a lax or old hub cannot slip through.
         hello = self._hello_msg()
         problems = protocol.compatibility_problems(welcome, hello)
         if problems:
-            raise HubError(ErrorCode.INCOMPATIBLE, problems)
+            raise HubError(ErrorCode.INCOMPATIBLE, printable(problems, 400))
+        welcome, changed = checked_welcome(welcome)
+        if changed:
+            log.warning(
+                "hub %s announced values out of range, clamped: %s",
+                self.endpoint,
+                ", ".join(changed),
+            )
+        return welcome
 
     def _hello_msg(self) -> Hello:
         info = self.info
-        return Hello(info.model, info.vocab_size, info.tokenizer,
-                     feature_width=info.feature_width)  # fmt: skip
+        return Hello(info.model, info.vocab_size, info.tokenizer, feature_width=info.feature_width)
 
     def mark_down(self, reason: str) -> None:
         """Stop using the hub until a new WELCOME; sessions of this generation are void, and
         each waiting sequence hears so at once (it re-opens elsewhere or decodes alone)."""
         if self.welcome is None:
             return
-        log.warning("hub %s unavailable (%s): its sessions move to another hub or decode alone",
-                    self.endpoint, reason)  # fmt: skip
+        log.warning(
+            "hub %s unavailable (%s): its sessions move to another hub or decode alone",
+            self.endpoint,
+            reason,
+        )
         self.welcome = None
         self.down_since = time.monotonic()
         lost = f"hub {self.endpoint} is down: {reason}"
         for key, inbox in self._waiting.items():
             tag, ref = (key, None) if isinstance(key, bytes) else (None, key)
-            inbox.put_nowait(Error(ErrorCode.NOT_WELCOMED, lost, ref=ref, tag=tag))
+            with contextlib.suppress(asyncio.QueueFull):  # (a full inbox: it reads ``up``)
+                inbox.put_nowait(Error(ErrorCode.NOT_WELCOMED, lost, ref=ref, tag=tag))
+        # this generation's sessions are void: what they were owed and their routes go too
+        self._credit.clear()
+        self._waiting = {key: q for key, q in self._waiting.items() if not isinstance(key, bytes)}
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -239,7 +356,8 @@ class HubClient:
                 self.mark_down(f"nothing heard for {silent:.1f} s")
             if self.up:
                 self._placed_at_ping = self.placed
-                await transport.send(self.sock, Ping(next(self._refs)))
+                self._ping_nonce = next(self._refs)
+                self._send_soon(Ping(self._ping_nonce))
             else:
                 await self._try_rejoin()
 
@@ -249,7 +367,8 @@ class HubClient:
         except HubUnavailable:
             pass
         except HubError as exc:
-            log.error("hub refused this target: %s", exc)
+            if self._throttle.allow("refused") is not None:
+                log.error("hub %s refused this target: %s", self.endpoint, exc)
 
     @property
     def wants_features(self) -> bool:
@@ -257,19 +376,29 @@ class HubClient:
         return self.welcome is not None and self.welcome.feature_width > 0
 
     async def open(
-        self, prompt: list[int], params: SamplingParams, gamma: int, timeout: float = 10.0,
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        gamma: int,
+        timeout: float = 10.0,
         features: np.ndarray | None = None,
-    ) -> tuple[bytes, asyncio.Queue[protocol.Message]]:  # fmt: skip
+    ) -> tuple[bytes, asyncio.Queue[protocol.Message]]:
         """Open a session; returns its tag and the queue its proposals arrive on.
 
         Raises HubUnavailable after ``timeout`` (an OPENED arriving later is closed at once).
         """
         ref = next(self._refs)
-        inbox: asyncio.Queue[protocol.Message] = asyncio.Queue()
+        inbox: asyncio.Queue[protocol.Message] = asyncio.Queue(INBOX_LIMIT)
         self._waiting[ref] = inbox
         offered = self.welcome.push if self.welcome is not None else 0
-        msg = Open(ref, np.asarray(prompt, dtype=np.int32), params, gamma, features,
-                   push=push_for(params, self.info.push, offered))  # fmt: skip
+        msg = Open(
+            ref,
+            np.asarray(prompt, dtype=np.int32),
+            params,
+            gamma,
+            features,
+            push=push_for(params, self.info.push, offered),
+        )
         try:
             await transport.send(self.sock, msg)
             reply = await asyncio.wait_for(inbox.get(), timeout)
@@ -279,20 +408,35 @@ class HubClient:
                 raise
             raise HubUnavailable(f"no OPENED within {timeout:.2f} s") from None
         finally:
-            del self._waiting[ref]
+            self._waiting.pop(ref, None)
         if isinstance(reply, Error):
-            raise HubError(reply.code, reply.message)
-        assert isinstance(reply, Opened)
+            raise HubError(reply.code, printable(reply.message))
+        if not isinstance(reply, Opened):  # e.g. a proposal ahead of its OPENED
+            self._close_unclaimed(inbox)
+            raise HubError(ErrorCode.UNEXPECTED, f"{type(reply).__name__} before OPENED")
         return reply.tag, inbox
 
     async def draft(
-        self, tag: bytes, seq: int, accepted: int, appended: list[int],
-        features: np.ndarray | None = None, taken: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        tag: bytes,
+        seq: int,
+        accepted: int,
+        appended: list[int],
+        features: np.ndarray | None = None,
+        taken: int = 0,
+    ) -> None:
         """Send the verdict on proposal ``seq - 1`` and ask for proposal ``seq`` (or, with
         ``taken``, say that the pushed branch of that many tokens is proposal ``seq``)."""
         ids = np.asarray(appended, dtype=np.int32)
+        self._grant(tag, 0 if taken else 1)
         await transport.send(self.sock, Draft(tag, seq, accepted, ids, features, taken))
+
+    def _grant(self, tag: bytes, proposals: int) -> None:
+        """What the hub may send ``tag`` for one request: ``proposals`` and the branches the
+        session asked for (at most two requests' worth outstanding)."""
+        if tag in self._credit:
+            allowance = 1 + self.info.push
+            self._credit[tag] = min(2 * allowance, self._credit[tag] + proposals + self.info.push)
 
     async def stats(self, timeout: float = 10.0) -> Stats:
         """The hub's counters (STATS_REQUEST -> STATS)."""
@@ -308,6 +452,7 @@ class HubClient:
     async def close_session(self, tag: bytes) -> None:
         """Tell the hub the sequence is finished; stop routing messages for it."""
         self._waiting.pop(tag, None)
+        self._credit.pop(tag, None)
         await transport.send(self.sock, Close(tag))
 
     async def aclose(self) -> None:
@@ -320,23 +465,45 @@ class HubClient:
         self.sock.close(linger=0)
 
     async def _read_loop(self) -> None:
+        read = 0
         while True:
-            try:
-                msg = await transport.recv(self.sock)
-            except protocol.ProtocolError as exc:
-                log.warning("undecodable message from hub: %s", exc)
+            frames = await self.sock.recv_multipart(copy=False)
+            read += 1
+            if read % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # zmq.asyncio returns ready messages without yielding
+            if not self._budget.take(_BUDGET_KEY, len(self._credit)):
+                self._drop("over its budget")
                 continue
-            self._route(msg)
+            try:
+                msg = protocol.decode(frames)
+            except protocol.ProtocolError as exc:
+                self._drop(f"undecodable: {exc}")
+                continue
+            if self._route(msg):
+                self._budget.refund(_BUDGET_KEY)
 
-    def _route(self, msg: protocol.Message) -> None:
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        held = self._throttle.allow(("drop", why[:24]))
+        if held is not None:
+            log.warning(
+                "dropped a message from hub %s: %s (%d more since the last such line)",
+                self.endpoint,
+                printable(why),
+                held,
+            )
+
+    def _route(self, msg: protocol.Message) -> bool:
+        """Handle one message; True if it was asked for (refunded from the budget)."""
         if isinstance(msg, Welcome):
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg)
-            return
+                return True
+            return False
         if self._stale(msg):
-            return
+            return False
         self.last_heard = time.monotonic()
-        self._dispatch(msg)
+        return self._dispatch(msg)
 
     def _stale(self, msg: protocol.Message) -> bool:
         """A reply from another hub process than the one we were welcomed by."""
@@ -346,36 +513,55 @@ class HubClient:
         self.mark_down("the hub restarted (new epoch)")
         return True
 
-    def _dispatch(self, msg: protocol.Message) -> None:
+    def _dispatch(self, msg: protocol.Message) -> bool:
         match msg:
             case Opened(ref=ref, tag=tag):
-                self._opened(ref, tag, msg)
+                return self._opened(ref, tag, msg)
             case Proposal(tag=tag):
-                self._deliver(tag, msg)
+                return self._proposal(tag, msg)
             case Error(code=code, tag=None, ref=None) if code in _HUB_LOST:
                 self._hub_lost(msg)
             case Error(tag=bytes() as tag):
                 self._deliver(tag, msg)
             case Error(ref=int() as ref):
-                self._deliver(ref, msg)
+                return self._deliver(ref, msg)  # the answer to an OPEN
             case Error() if self._hello and not self._hello.done():
                 self._hello.set_result(msg)
             case Stats(nonce=nonce) if nonce in self._stats:
-                self._stats[nonce].set_result(msg)
+                if not self._stats[nonce].done():
+                    self._stats[nonce].set_result(msg)
+                return True
             case Ping(nonce=nonce):
                 self._send_soon(Pong(nonce))
-            case Pong():
+            case Pong(nonce=nonce) if nonce == self._ping_nonce:
+                self._ping_nonce = None
                 self._reported(HubLoad.of(msg), self._placed_at_ping)
+                return True
             case _:
-                log.warning("unexpected %s from hub: %s", type(msg).__name__, msg)
+                self._drop(f"unexpected {type(msg).__name__}")
+        return False
 
-    def _opened(self, ref: int, tag: bytes, msg: Opened) -> None:
+    def _proposal(self, tag: bytes, msg: Proposal) -> bool:
+        """A proposal or pushed branch for a session of ours, within what it asked for."""
+        credit = self._credit.get(tag, 0)
+        if credit <= 0:
+            self._drop("a proposal nobody asked for")
+            return False
+        self._credit[tag] = credit - 1
+        self._deliver(tag, msg)
+        return True
+
+    def _opened(self, ref: int, tag: bytes, msg: Opened) -> bool:
         # Register the tag before anything else is read: PROPOSAL seq 0 may be next.
-        if ref not in self._waiting:  # its OPEN timed out: nobody wants this session
-            self._send_soon(Close(tag))
-            return
-        self._waiting[tag] = self._waiting[ref]
-        self._deliver(ref, msg)
+        inbox = self._waiting.pop(ref, None)
+        if inbox is None or tag in self._waiting:  # its OPEN timed out, or a second OPENED
+            if tag not in self._waiting and tag not in self._credit:
+                self._send_soon(Close(tag))  # nobody wants this session (never one of ours)
+            return False
+        self._waiting[tag] = inbox
+        self._credit[tag] = 1 + self.info.push
+        self._put(inbox, msg)
+        return True
 
     def _close_unclaimed(self, inbox: asyncio.Queue[protocol.Message]) -> None:
         """Close a session whose OPENED reached the inbox but not the caller (it timed out or
@@ -385,6 +571,7 @@ class HubClient:
             msg = inbox.get_nowait()
             if isinstance(msg, Opened):
                 self._waiting.pop(msg.tag, None)
+                self._credit.pop(msg.tag, None)
                 self._send_soon(Close(msg.tag))
 
     def _hub_lost(self, msg: Error) -> None:
@@ -393,12 +580,22 @@ class HubClient:
         self.mark_down(f"{msg.code}: {msg.message}")
 
     def _send_soon(self, msg: protocol.Message) -> None:
-        self._pending.add(asyncio.ensure_future(transport.send(self.sock, msg)))
-        self._pending = {t for t in self._pending if not t.done()}
+        """Send without waiting (the event loop's callbacks cannot await); a hub that does not
+        read gets nothing rather than a growing queue of sends."""
+        if not transport.send_nowait(self.sock, msg):
+            self._drop(f"could not send {type(msg).__name__}: the hub is not reading")
 
-    def _deliver(self, key: int | bytes, msg: protocol.Message) -> None:
+    def _deliver(self, key: int | bytes, msg: protocol.Message) -> bool:
         inbox = self._waiting.get(key)
         if inbox is None:
             log.debug("dropped %s for a finished sequence", type(msg).__name__)
-            return
-        inbox.put_nowait(msg)
+            return False
+        return self._put(inbox, msg)
+
+    def _put(self, inbox: asyncio.Queue[protocol.Message], msg: protocol.Message) -> bool:
+        try:
+            inbox.put_nowait(msg)
+        except asyncio.QueueFull:
+            self._drop(f"a sequence's inbox is full ({type(msg).__name__})")
+            return False
+        return True

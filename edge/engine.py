@@ -25,8 +25,14 @@ log = logging.getLogger("edge.engine")
 class Engine:
     """A target's sequences over one batcher, with the hub's proposals when ``client`` is set."""
 
-    def __init__(self, backend: VerifierBackend, batcher: Batcher, client: HubPool | None = None,
-                 gamma: int = 0, fallback: Fallback | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: VerifierBackend,
+        batcher: Batcher,
+        client: HubPool | None = None,
+        gamma: int = 0,
+        fallback: Fallback | None = None,
+    ) -> None:
         self.backend = backend
         self.batcher = batcher
         self.client = client
@@ -40,14 +46,17 @@ class Engine:
         client = self.client
         return client is not None and client.keeps_features()
 
-    def new_sequence(self, prompt: list[int], params: SamplingParams,
-                     max_new_tokens: int) -> TargetSequence:  # fmt: skip
+    def new_sequence(
+        self, prompt: list[int], params: SamplingParams, max_new_tokens: int
+    ) -> TargetSequence:
         """A sequence for :meth:`run` (not prefilled yet: :meth:`run` batches its prefill)."""
-        return TargetSequence(self.backend, prompt, params, max_new_tokens,
-                              self.collect_features(), prefill=False)  # fmt: skip
+        return TargetSequence(
+            self.backend, prompt, params, max_new_tokens, self.collect_features(), prefill=False
+        )
 
-    async def run(self, seq: TargetSequence, on_tokens: Callable[[list[int]], None] | None = None
-                  ) -> TargetSequence:  # fmt: skip
+    async def run(
+        self, seq: TargetSequence, on_tokens: Callable[[list[int]], None] | None = None
+    ) -> TargetSequence:
         """Prefill ``seq`` and decode it to the end (EOS or its max_new_tokens).
 
         ``on_tokens(new_ids)`` is called on the event loop each time tokens are committed (for
@@ -63,15 +72,17 @@ class Engine:
                 while not seq.done:
                     await self.batcher.step(seq)
             else:
-                await generate_speculative(self.client, seq, self.gamma, self.batcher,
-                                           self.fallback)  # fmt: skip
+                await generate_speculative(
+                    self.client, seq, self.gamma, self.batcher, self.fallback
+                )
         finally:
             self.batcher.watch(seq, None)
         return seq
 
 
-def _streamer(seq: TargetSequence, on_tokens: Callable[[list[int]], None]
-              ) -> Callable[[TargetSequence], None]:  # fmt: skip
+def _streamer(
+    seq: TargetSequence, on_tokens: Callable[[list[int]], None]
+) -> Callable[[TargetSequence], None]:
     """A batcher watcher that passes on the tokens committed since its last call."""
     sent = len(seq.generated)
 

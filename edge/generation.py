@@ -1,16 +1,19 @@
 """Requests of the HTTP server as sequences in flight: admission, decoding, streamed text.
 
+:class:`RequestQueue` admits requests (429 past ``--max-queue``), holds ``--concurrency``
+decoding slots and drains on shutdown; :class:`Generation` is one admitted request.
+
 Each admitted request becomes a task that waits for one of ``concurrency`` slots, builds its
-sequence with :func:`edge.target.new_sequence` and decodes it with
-:func:`edge.speculate.generate_speculative`, the same per-sequence path as ``--prompts`` (every
-forward, the prefill too, batched with the other requests' by :class:`edge.batcher.Batcher`):
-the hub proposes where it is up, the target decodes alone where it is not. The sequence's
+sequence with :func:`edge.target.new_sequence` and runs it with :meth:`edge.engine.Engine.run`,
+the one run path ``--prompts`` takes too (every forward, the prefill too, batched with the other
+requests' by :class:`edge.batcher.Batcher`, built from the same options): the hub proposes where
+it is up, the target decodes alone where it is not. The sequence's
 ``on_commit`` hook (called in the worker thread) posts each run of committed tokens to the
 request's queue on the event loop; :meth:`Generation.events` turns them into stable text deltas
 (:mod:`edge.textstream`), applies ``stop`` strings and records the metrics.
 
 Cancelling a generation (a client that went away, a stop string) cancels its task:
-``generate_speculative`` then closes its hub session on the way out.
+the run path then closes its hub session on the way out.
 """
 
 from __future__ import annotations
@@ -24,16 +27,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from edge import speculate
+from edge import engine, speculate
 from edge.backends.base import VerifierBackend
 from edge.batcher import Batcher
-from edge.client import HubError
 from edge.hubs import HubPool
 from edge.metrics import TargetMetrics
-from edge.speculate import generate_speculative, standalone_step
 from edge.textstream import TextStream
 from edge.verifier import TargetSequence
-from starsd import protocol
 from starsd.protocol import SamplingParams
 
 log = logging.getLogger("edge.serve")
@@ -53,6 +53,8 @@ class ServeConfig(Protocol):
     def fallback(self) -> speculate.Fallback: ...
     @property
     def max_batch(self) -> int: ...
+    @property
+    def gather(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -84,23 +86,33 @@ NewSequence = Callable[["Job", int, bool], TargetSequence]
 _Commit = tuple[list[int], int, int, int]
 
 
-class Engine:
-    """Admission, the decoding slots and the worker thread shared by every request."""
+class RequestQueue:
+    """Admission and the decoding slots of the server's requests, over the one run path
+    (:class:`edge.engine.Engine`) and its batcher (the model thread) that every request shares."""
 
-    def __init__(self, config: ServeConfig, target: VerifierBackend, metrics: TargetMetrics,
-                 client: HubPool | None, new_sequence: NewSequence) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ServeConfig,
+        target: VerifierBackend,
+        metrics: TargetMetrics,
+        client: HubPool | None,
+        new_sequence: NewSequence,
+    ) -> None:
         self.config = config
         self.target = target
         self.new_sequence = new_sequence
         self.metrics = metrics
         self.client = client  # None: --standalone
         # the one model thread: every request's forwards batched (edge.batcher)
-        self.batcher = Batcher(target, config.max_batch)
+        self.batcher = Batcher(target, config.max_batch, gather=config.gather)
+        self.runner = engine.Engine(target, self.batcher, client, config.gamma, config.fallback)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.running = 0
         self.waiting = 0
         self.index = itertools.count()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.live: set[Generation] = set()  # admitted and not finished (drain ends them)
+        self.draining = False  # shutting down: nothing new is admitted
 
     @property
     def admitted(self) -> int:
@@ -119,6 +131,8 @@ class Engine:
         task = asyncio.create_task(self._decode(generation))
         self.tasks.add(task)  # a reference until it ends, also after its client went away
         task.add_done_callback(self.tasks.discard)
+        self.live.add(generation)
+        task.add_done_callback(lambda _: self.live.discard(generation))
         generation.task = task
         return generation
 
@@ -127,6 +141,7 @@ class Engine:
             await self.slots.acquire()
         finally:
             self.waiting -= 1
+        generation.started = True
         self.running += 1
         self.publish()
         try:
@@ -147,28 +162,32 @@ class Engine:
         seq = self._new_sequence(generation.job)  # no model work: the prefill is batched
         generation.seq = seq
         seq.on_commit = generation.hook(loop)
-        await self.batcher.prefill(seq)
-        if self.client is None:  # --standalone: the baseline, one (batched) step per token
-            while not seq.done:
-                await self.batcher.step(seq)
-            return
-        try:
-            await generate_speculative(self.client, seq, self.config.gamma, self.batcher,
-                                       self.config.fallback)  # fmt: skip
-        except (HubError, protocol.ProtocolError) as exc:  # the session is closed already
-            log.warning("hub failed this request (%s): finishing it alone", exc)
-            while not seq.done:
-                await standalone_step(seq, self.batcher)
+        await self.runner.run(seq)
 
     def _new_sequence(self, job: Job) -> TargetSequence:
-        # Features as run_with_hub keeps them: for an EAGLE hub, or while none has answered.
-        features = self.client is not None and self.client.keeps_features()
-        return self.new_sequence(job, next(self.index), features)
+        return self.new_sequence(job, next(self.index), self.runner.collect_features())
 
     def publish(self) -> None:
         """Refresh the running / waiting / hub gauges."""
         live = len(self.client.live()) if self.client is not None else 0
         self.metrics.set_queue(self.running, self.waiting, live)
+
+    async def drain(self, grace_s: float, why: Exception) -> int:
+        """Shut down gracefully: admit nothing more, end the requests still waiting for a slot
+        at once and give the running ones ``grace_s`` to finish; those that cannot are ended
+        too. An ended request's stream gets ``why`` as its last event (then ``[DONE]``), so no
+        client mistakes cut text for a complete answer. Returns how many were ended."""
+        self.draining = True
+        ended = [g for g in list(self.live) if not g.started]
+        deadline = time.monotonic() + grace_s
+        for generation in ended:
+            generation.fail(why)
+        while any(g.started for g in self.live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        late = list(self.live)
+        for generation in late:
+            generation.fail(why)
+        return len(ended) + len(late)
 
     async def aclose(self) -> None:
         """Cancel what is still decoding (closing its hub sessions), stop the worker."""
@@ -181,8 +200,8 @@ class Engine:
 class Generation:
     """One admitted request: its decoding task and the committed tokens it streams."""
 
-    def __init__(self, engine: Engine, job: Job) -> None:
-        self.engine = engine
+    def __init__(self, requests: RequestQueue, job: Job) -> None:
+        self.requests = requests
         self.job = job
         self.arrived = time.perf_counter()
         self.commits: asyncio.Queue[_Commit | Exception | None] = asyncio.Queue()
@@ -190,6 +209,7 @@ class Generation:
         self.seq: TargetSequence | None = None
         self.answered = False  # its final delta was produced (finished, or ended by a stop)
         self.cancelled = False
+        self.started = False  # it holds a decoding slot
 
     def hook(self, loop: asyncio.AbstractEventLoop) -> Any:
         """The sequence's on_commit: runs in the worker thread, posts to the event loop."""
@@ -210,7 +230,7 @@ class Generation:
             return
         self.cancelled = True
         if not self.answered:
-            self.engine.metrics.record_abort()
+            self.requests.metrics.record_abort()
         if self.seq is not None:
             # Also end the loop in generate_speculative: Python 3.11's asyncio.wait_for returns
             # a result that was ready when the cancel came and drops the cancel, so a cancel
@@ -218,6 +238,18 @@ class Generation:
             # closed on the way out either way.
             self.seq.done = True
         self.task.cancel()
+
+    def fail(self, why: Exception) -> None:
+        """End the request with ``why`` (its consumer raises it after the text so far) and stop
+        its decoding; not counted as an abort (the server ended it, not the client)."""
+        if self.answered or self.cancelled:
+            return
+        self.commits.put_nowait(why)
+        self.cancelled = True
+        if self.seq is not None:
+            self.seq.done = True
+        if self.task is not None:
+            self.task.cancel()
 
     async def events(self) -> AsyncIterator[Delta]:
         """Text deltas as tokens commit, the last with its finish reason; cancels the decoding
@@ -229,8 +261,8 @@ class Generation:
             self.cancel()
 
     async def _events(self) -> AsyncIterator[Delta]:
-        m = self.engine.metrics
-        text = TextStream(self.engine.target.decode, self.job.stops)
+        m = self.requests.metrics
+        text = TextStream(self.requests.target.decode, self.job.stops)
         last, seen, totals = self.arrived, 0, (0, 0, 0)
         while (item := await self.commits.get()) is not None:
             if isinstance(item, Exception):
@@ -258,6 +290,7 @@ class Generation:
         self.answered = True
         stats = seq.stats
         figures = {**stats.as_dict(tokens), "proposed": stats.proposed}
-        self.engine.metrics.record_finish(finish, time.perf_counter() - self.arrived,
-                                          stats.standalone_steps, stats.alone_steps)  # fmt: skip
+        self.requests.metrics.record_finish(
+            finish, time.perf_counter() - self.arrived, stats.standalone_steps, stats.alone_steps
+        )
         return Delta(text, finish, tokens, figures)

@@ -78,9 +78,12 @@ class HubPool:
 
     @classmethod
     def create(
-        cls, ctx: zmq.asyncio.Context, endpoints: tuple[str, ...], info: TargetInfo,
+        cls,
+        ctx: zmq.asyncio.Context,
+        endpoints: tuple[str, ...],
+        info: TargetInfo,
         curves: list[curve_client.CurveClientConfig | None] | None = None,
-    ) -> HubPool:  # fmt: skip
+    ) -> HubPool:
         """One client (DEALER socket) per hub endpoint, with that hub's CURVE settings if any;
         nothing is sent before :meth:`connect`."""
         curves = curves or [None] * len(endpoints)
@@ -89,13 +92,18 @@ class HubPool:
 
     @classmethod
     def for_model(
-        cls, ctx: zmq.asyncio.Context, endpoints: tuple[str, ...], model: ModelInfo, push: int,
+        cls,
+        ctx: zmq.asyncio.Context,
+        endpoints: tuple[str, ...],
+        model: ModelInfo,
+        push: int,
         curves: list[curve_client.CurveClientConfig | None] | None = None,
-    ) -> HubPool:  # fmt: skip
+    ) -> HubPool:
         """:meth:`create` for a target running ``model`` (what HELLO says of it), whose
         sessions take ``push`` pushed branches per round."""
-        info = TargetInfo(model.name, model.vocab_size, model.tokenizer_fingerprint,
-                          model.hidden_size, push)  # fmt: skip
+        info = TargetInfo(
+            model.name, model.vocab_size, model.tokenizer_fingerprint, model.hidden_size, push
+        )
         return cls.create(ctx, endpoints, info, curves)
 
     @property
@@ -119,11 +127,13 @@ class HubPool:
         time stays (its client keeps trying). Raises the refusal if every hub refused, and
         HubUnavailable if none answered (the target then decodes alone until one does).
         """
-        results = await asyncio.gather(*(c.connect(timeout) for c in self.clients),
-                                       return_exceptions=True)  # fmt: skip
+        results = await asyncio.gather(
+            *(c.connect(timeout) for c in self.clients), return_exceptions=True
+        )
         refusals = [await self._refused(c, r) for c, r in zip(self.clients, results, strict=True)]
-        self.clients = [c for c, refused in zip(self.clients, refusals, strict=True)
-                        if refused is None]  # fmt: skip
+        self.clients = [
+            c for c, refused in zip(self.clients, refusals, strict=True) if refused is None
+        ]
         if not self.clients:
             raise next(r for r in refusals if r is not None)
         welcomed = sum(isinstance(r, protocol.Welcome) for r in results)
@@ -145,10 +155,16 @@ class HubPool:
 
     def pick(self, with_features: bool = True) -> HubClient | None:
         """The live hub with the most spare capacity (see the module docstring), counted as
-        holding one more session of ours from now on; None when no hub is live. Without
-        ``with_features`` (the sequence keeps no target features) EAGLE hubs are left out."""
-        live = [client for client in self.live() if not client.full()
-                and (with_features or not client.wants_features)]  # fmt: skip
+        holding one more session of ours from now on; None when no hub is live. Hubs that are
+        full or set aside after misbehaving (HubClient.strike) are left out, and so are EAGLE
+        hubs without ``with_features`` (the sequence keeps no target features)."""
+        live = [
+            client
+            for client in self.live()
+            if not client.full()
+            and not client.set_aside()
+            and (with_features or not client.wants_features)
+        ]
         if not live:
             return None
         rooms = {id(c): c.load.spare(c.placed_since_report) for c in live}

@@ -27,10 +27,45 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 MAX_POSITIONS = 32  # label values of ..._per_pos: draft positions past this share the last one
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
-                    0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)  # fmt: skip
-_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-                    160.0, 320.0)  # fmt: skip
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
+_REQUEST_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
 
 
 class TargetMetrics:
@@ -47,35 +82,55 @@ class TargetMetrics:
         self.num_drafts = counter("spec_decode_num_drafts", "Speculation rounds verified")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
         self.num_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted draft tokens by position in the draft",
-                                        "position")  # fmt: skip
-        self.alone = counter("tokens_decoded_alone", "Tokens decoded without a proposal",
-                             "reason")  # fmt: skip
+        self.accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft",
+            "position",
+        )
+        self.alone = counter("tokens_decoded_alone", "Tokens decoded without a proposal", "reason")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.success = counter("request_success", "Requests finished", "finished_reason")
         self.rejected = counter("requests_rejected", "Requests refused, by HTTP status", "status")
-        self.running = Gauge("starsd:num_requests_running", "Sequences being decoded",
-                             ["model_name"], registry=r)  # fmt: skip
-        self.waiting = Gauge("starsd:num_requests_waiting", "Requests admitted, not yet decoding",
-                             ["model_name"], registry=r)  # fmt: skip
-        self.hub_up = Gauge("starsd:hub_connected", "Hubs serving this target now (--hub A,B: "
-                            "up to 2)",
-                            ["model_name"], registry=r)  # fmt: skip
-        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token",
-                                    _LATENCY_BUCKETS)  # fmt: skip
-        self.itl = self._histogram("inter_token_latency_seconds", "Time per output token after "
-                                   "the first (a round's gap over its tokens)", _LATENCY_BUCKETS)
-        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to last token",
-                                   _REQUEST_BUCKETS)  # fmt: skip
-        for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted,
-                       self.prompt_tokens, self.generation_tokens):  # fmt: skip
+        self.running = Gauge(
+            "starsd:num_requests_running", "Sequences being decoded", ["model_name"], registry=r
+        )
+        self.waiting = Gauge(
+            "starsd:num_requests_waiting",
+            "Requests admitted, not yet decoding",
+            ["model_name"],
+            registry=r,
+        )
+        self.hub_up = Gauge(
+            "starsd:hub_connected",
+            "Hubs serving this target now (--hub A,B: up to 2)",
+            ["model_name"],
+            registry=r,
+        )
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds",
+            "Time per output token after the first (a round's gap over its tokens)",
+            _LATENCY_BUCKETS,
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Arrival to last token", _REQUEST_BUCKETS
+        )
+        for metric in (
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted,
+            self.prompt_tokens,
+            self.generation_tokens,
+        ):
             metric.labels(**labels)  # exported as 0 from the start, not from first use
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(f"starsd:{name}", doc, ["model_name"], buckets=buckets,
-                         registry=self.registry)  # fmt: skip
+        return Histogram(
+            f"starsd:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry
+        )
 
     def record_round(self, proposed: int, accepted: int) -> None:
         """One verification: ``proposed`` draft tokens, the first ``accepted`` of them kept."""

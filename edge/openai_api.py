@@ -25,31 +25,49 @@ MAX_TOKENS_NO_LIMIT = 1 << 16  # the cap on max_tokens for a model that names no
 # Fields OpenAI defines that this server does not implement: refused unless given their neutral
 # value, so a client never silently gets something other than what it asked for.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-    "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
-    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
-}  # fmt: skip
+}
 _NESTED = {"role", "content", "text", "type", "include_usage"}
 
 
 class ApiError(Exception):
     """A request refused with ``status`` and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
-                500: "server_error", 503: "server_error"}.get(self.status,
-                                                              "invalid_request_error")  # fmt: skip
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}  # fmt: skip
+        kind = {
+            401: "authentication_error",
+            404: "not_found_error",
+            429: "rate_limit_error",
+            500: "server_error",
+            503: "server_error",
+        }.get(self.status, "invalid_request_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
 
 
 class _Strict(BaseModel):
@@ -119,18 +137,52 @@ def parse(kind: type[R], body: Any) -> R:
     """``body`` (decoded JSON) as a ``kind`` request; ApiError 400 naming the field if not."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    where = _unencodable(body)
+    if where is not None:  # JSON allows lone surrogates ("\ud800"); no tokenizer takes them
+        raise ApiError(
+            400, f"{where}: the text is not valid Unicode (a lone surrogate)", where, "invalid_text"
+        )
     try:
         request = kind.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = _param(first["loc"])
-        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param,
-                       "invalid_type" if first["type"].endswith("_type") else None) from None
+        raise ApiError(
+            400,
+            f"{param}: {first['msg']}" if param else first["msg"],
+            param,
+            "invalid_type" if first["type"].endswith("_type") else None,
+        ) from None
     for name, neutral in UNSUPPORTED.items():
         value = (request.model_extra or {}).get(name)
         if not any(value == ok for ok in neutral):
             raise ApiError(400, f"{name} is not supported by this server", name, "unsupported")
     return request
+
+
+def _unencodable(value: Any, path: str = "") -> str | None:
+    """The path of the first string in ``value`` (decoded JSON) that UTF-8 cannot encode, or
+    None; keys count as strings too."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        here = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        found = _unencodable(key, here) if isinstance(key, str) else None
+        found = found or _unencodable(item, here)
+        if found is not None:
+            return found
+    return None
 
 
 def _param(loc: tuple[int | str, ...]) -> str:
@@ -179,15 +231,21 @@ def max_tokens(request: BaseRequest, default: int, prompt_tokens: int, limit: in
         asked, name = request.max_tokens, "max_tokens"
     room = MAX_TOKENS_NO_LIMIT if limit is None else limit - prompt_tokens
     if room < 1:
-        raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this model's context is "
-                            f"{limit}", "prompt", "context_length_exceeded")  # fmt: skip
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_tokens} tokens; this model's context is {limit}",
+            "prompt",
+            "context_length_exceeded",
+        )
     if asked is None:
         return min(default, room)
     if not 1 <= asked <= room:
-        why = (f"the context is {limit} tokens and the prompt {prompt_tokens}" if limit
-               else "this server's cap")  # fmt: skip
-        raise ApiError(400, f"{name} {asked} is out of range: must be in [1, {room}] ({why})",
-                       name)  # fmt: skip
+        why = (
+            f"the context is {limit} tokens and the prompt {prompt_tokens}"
+            if limit
+            else "this server's cap"
+        )
+        raise ApiError(400, f"{name} {asked} is out of range: must be in [1, {room}] ({why})", name)
     return asked
 
 
@@ -223,8 +281,9 @@ class Reply:
         kind += ".chunk" if chunk and self.chat else ""
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish: str, usage: dict[str, int],
-             figures: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    def full(
+        self, text: str, finish: str, usage: dict[str, int], figures: dict[str, Any]
+    ) -> dict[str, Any]:
         """The non-streamed response."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if self.chat:
@@ -233,8 +292,9 @@ class Reply:
             choice["text"] = text
         return {**self._head(False), "choices": [choice], "usage": usage, "starsd": figures}
 
-    def chunk(self, text: str | None, finish: str | None = None,
-              figures: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    def chunk(
+        self, text: str | None, finish: str | None = None, figures: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """One streamed chunk; ``text`` None is the chat stream's opening (the role)."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if not self.chat:
@@ -254,5 +314,8 @@ class Reply:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -14,9 +14,17 @@ several hubs a sequence fails over without losing a token, and decodes alone onl
 live. Proposals and errors are matched on (tag, seq): duplicates and stale ones are ignored, so
 nothing is applied twice. With ``push`` (Open.push) the hub also sends its pre-drafted branches
 for the next proposal while this one is verified: when the verdict matches one, it is verified
-next at once, and the DRAFT says so (``taken``) instead of asking. Greedy output therefore
-equals the target alone token for token, and sampled output keeps the target's distribution,
-whatever the hubs do.
+next at once, and the DRAFT says so (``taken``) instead of asking; a session keeps at most the
+branches it asked for, and only those for its next proposal.
+
+A hub is trusted for drafts only. A proposal is checked where it enters (:func:`checked_draft`: its
+length against the hub's max_gamma, token ids, q's shape, support and law), and one the target
+refuses, an unexpected error or any other message no honest hub sends costs that hub its
+session and a strike (HubClient.strike: no new sessions there for a while); the sequence moves
+to another hub or decodes alone, as it does when a hub dies. Nothing a hub sends raises out of
+:func:`generate_speculative`. Greedy output therefore equals the target alone token for token,
+and sampled output keeps the target's distribution, whatever the hubs do (within what
+speculative sampling trusts: that the drafts were drawn from the q sent with them).
 """
 
 from __future__ import annotations
@@ -30,18 +38,26 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from edge.batcher import Batcher
-from edge.client import HubClient, HubError, HubUnavailable
+from edge.client import HubClient, HubError, HubUnavailable, push_for
 from edge.hubs import HubPool
 from edge.verifier import TargetSequence
-from starsd import protocol, sampling
+from starsd import limits, protocol, sampling
+from starsd.logsafe import printable
 from starsd.protocol import Error, ErrorCode, Proposal
 
 log = logging.getLogger("edge.speculate")
 
 # Errors about one session after which it is re-opened from the committed tokens.
-_REOPEN = frozenset({ErrorCode.UNKNOWN_SESSION, ErrorCode.FORBIDDEN, ErrorCode.SHUTTING_DOWN,
-                     ErrorCode.NOT_WELCOMED, ErrorCode.INTERNAL,
-                     ErrorCode.RESOURCE_EXHAUSTED})  # fmt: skip
+_REOPEN = frozenset(
+    {
+        ErrorCode.UNKNOWN_SESSION,
+        ErrorCode.FORBIDDEN,
+        ErrorCode.SHUTTING_DOWN,
+        ErrorCode.NOT_WELCOMED,
+        ErrorCode.INTERNAL,
+        ErrorCode.RESOURCE_EXHAUSTED,
+    }
+)
 # Echoes of a duplicate or reordered request: the original is still being answered.
 _IGNORE = frozenset({ErrorCode.BUSY, ErrorCode.OUT_OF_ORDER})
 
@@ -69,14 +85,19 @@ class HubSession:
     replaces: HubClient | None = None  # the lost hub this session took over from, until it speaks
     # Pushed branches (Open.push) by (seq, accepted, appended token): collected while the
     # proposal before them is verified; the one its verdict matches is verified next, at once.
+    # At most ``push`` of them, all for the next proposal (a hub cannot make a session hold more).
     branches: dict[tuple[int, int, int], Proposal] = field(default_factory=dict)
+    push: int = 0  # branches per round this session asked for (Open.push)
     taken: Proposal | None = None
 
 
 async def generate_speculative(
-    hubs: HubPool | HubClient, seq: TargetSequence, gamma: int, batcher: Batcher,
+    hubs: HubPool | HubClient,
+    seq: TargetSequence,
+    gamma: int,
+    batcher: Batcher,
     fallback: Fallback = Fallback(),
-) -> TargetSequence:  # fmt: skip
+) -> TargetSequence:
     """Decode ``seq`` (prefilled) to the end with the hubs' help where one is available; every
     forward goes through ``batcher``, batched with the target's other sequences."""
     pool = hubs if isinstance(hubs, HubPool) else HubPool([hubs])
@@ -118,9 +139,12 @@ def _alive(session: HubSession) -> bool:
 
 
 async def _place(
-    pool: HubPool, seq: TargetSequence, params: protocol.SamplingParams, gamma: int,
+    pool: HubPool,
+    seq: TargetSequence,
+    params: protocol.SamplingParams,
+    gamma: int,
     fallback: Fallback,
-) -> HubSession | None:  # fmt: skip
+) -> HubSession | None:
     """A session on the live hub with the most room, or None (decode a token alone). A hub
     that drafts from target features (EAGLE) is no place for a sequence that did not keep them."""
     client = pool.pick(with_features=seq.collect_features)
@@ -150,9 +174,12 @@ async def decode_alone(seq: TargetSequence, tokens: int, batcher: Batcher) -> No
 
 
 async def _open(
-    client: HubClient, seq: TargetSequence, params: protocol.SamplingParams, gamma: int,
+    client: HubClient,
+    seq: TargetSequence,
+    params: protocol.SamplingParams,
+    gamma: int,
     fallback: Fallback,
-) -> HubSession | None:  # fmt: skip
+) -> HubSession | None:
     tokens = [*seq.prompt, *seq.generated]
     generation = client.generation
     features = seq.features(0, len(tokens) - 1) if client.wants_features else None
@@ -162,13 +189,21 @@ async def _open(
         client.mark_down(str(exc))
         return None
     except HubError as exc:
-        if exc.code not in _REOPEN:
-            raise
+        if exc.code not in _REOPEN:  # e.g. INVALID_ARGUMENT for an OPEN any hub accepts
+            client.strike(f"it refused to open a session: {exc}")
+            return None
         if exc.code == ErrorCode.RESOURCE_EXHAUSTED:
             client.mark_full()
         log.info("hub %s did not open a session (%s); a token alone", client.endpoint, exc)
         return None
-    return HubSession(client, tag, inbox, generation, synced=len(tokens))
+    push = client_push(client, params)
+    return HubSession(client, tag, inbox, generation, synced=len(tokens), push=push)
+
+
+def client_push(client: HubClient, params: protocol.SamplingParams) -> int:
+    """The pushed branches per round a session on ``client`` asked for."""
+    offered = client.welcome.push if client.welcome is not None else 0
+    return push_for(params, client.info.push, offered)
 
 
 async def _round(
@@ -181,23 +216,42 @@ async def _round(
     if msg is None:
         await standalone_step(seq, batcher)
         if time.monotonic() - session.asked_at > fallback.resync_s:
-            log.info("session %s silent for %.1f s: re-opening", session.tag.hex()[:8],
-                     fallback.resync_s)  # fmt: skip
+            log.info(
+                "session %s silent for %.1f s: re-opening", session.tag.hex()[:8], fallback.resync_s
+            )
             await client.close_session(session.tag)
             return None, False
         return session, False
     if isinstance(msg, Error):
         return await _session_error(client, session, msg)
-    assert isinstance(msg, Proposal)
+    if not isinstance(msg, Proposal):  # e.g. a second OPENED: no honest hub sends one
+        return await _drop(session, f"an unexpected {type(msg).__name__}")
     if msg is not taken and msg.branch is not None:
         _hold(session, msg, session.expected + 1)  # (proposal ``expected`` was asked for)
         return session, False
     if msg.seq != session.expected:
         return session, False  # a duplicate or a stale proposal: never applied twice
+    try:
+        drafts, q = checked_draft(seq, msg, client.max_gamma)
+    except ProposalRefused as exc:
+        return await _drop(session, f"a proposal the target refuses: {exc}")
     if session.replaces is not None:
         _resumed(seq, session)
-    keep = await _answer(client, seq, session, msg, batcher)
+    try:
+        keep = await _answer(client, seq, session, msg, (drafts, q), batcher)
+    except ValueError as exc:  # refused in the model thread (checked there once more)
+        if seq.done:
+            return None, False
+        return await _drop(session, f"a proposal the verifier refused: {exc}")
     return (session if keep else None), False
+
+
+async def _drop(session: HubSession, why: str) -> tuple[HubSession | None, bool]:
+    """End a session whose hub sent what no honest hub sends, and set that hub aside; the
+    sequence goes on from its committed tokens (another hub, or alone)."""
+    session.client.strike(why)
+    await session.client.close_session(session.tag)
+    return None, False
 
 
 def _resumed(seq: TargetSequence, session: HubSession) -> None:
@@ -209,8 +263,12 @@ def _resumed(seq: TargetSequence, session: HubSession) -> None:
     stats.moves += 1
     stats.resume_s = max(stats.resume_s, took)
     stats.standalone_at_resume = stats.standalone_steps
-    log.info("sequence moved from hub %s to %s: speculating again %.3f s after the loss was "
-             "detected", lost.endpoint, session.client.endpoint, took)  # fmt: skip
+    log.info(
+        "sequence moved from hub %s to %s: speculating again %.3f s after the loss was detected",
+        lost.endpoint,
+        session.client.endpoint,
+        took,
+    )
 
 
 async def _next(session: HubSession, deadline_s: float) -> protocol.Message | None:
@@ -238,15 +296,24 @@ async def _session_error(
         # move, counted as moves, and none is placed there again meanwhile
         client.mark_down(f"{msg.code}: {msg.message}")
     if msg.code in _REOPEN:
-        log.info("session %s: %s (%s); re-opening", session.tag.hex()[:8], msg.code, msg.message)
+        log.info(
+            "session %s: %s (%s); re-opening",
+            session.tag.hex()[:8],
+            msg.code,
+            printable(msg.message),
+        )
         return None, False
-    raise HubError(msg.code, msg.message)
+    return await _drop(session, f"error {printable(msg.code)}: {printable(msg.message)}")
 
 
 async def _answer(
-    client: HubClient, seq: TargetSequence, session: HubSession, proposal: Proposal,
+    client: HubClient,
+    seq: TargetSequence,
+    session: HubSession,
+    proposal: Proposal,
+    draft: tuple[list[int], torch.Tensor | None],
     batcher: Batcher,
-) -> bool:  # fmt: skip
+) -> bool:
     """Verify the proposal, or decode the ``alone`` tokens it asks for (or, if we decoded alone
     meanwhile, just catch the hub up).
 
@@ -255,10 +322,9 @@ async def _answer(
     accepted = 0
     if session.synced == seq.committed:
         if len(proposal.tokens) or proposal.alone <= 0:
-            drafts, q = usable_draft(seq, proposal)
-            accepted, _ = await batcher.verify(seq, drafts, q)
+            accepted, _ = await batcher.verify(seq, *draft)
         else:  # gamma 0: speculation does not pay now; the hub hears from us after the span
-            await decode_alone(seq, min(proposal.alone, protocol.MAX_APPENDED - 1), batcher)
+            await decode_alone(seq, min(proposal.alone, limits.MAX_APPENDED - 1), batcher)
     # Everything committed since the hub last heard from us, but the drafts it proposed: the
     # verify's own token, the tokens decoded alone (asked for, or past the deadline).
     appended = seq.generated[session.synced - len(seq.prompt) + accepted :]
@@ -267,7 +333,7 @@ async def _answer(
     session.asked_at = time.monotonic()
     if seq.done:
         return True
-    if len(appended) > protocol.MAX_APPENDED:
+    if len(appended) > limits.MAX_APPENDED:
         await client.close_session(session.tag)
         return False
     features = seq.features(synced - 1, seq.committed - 1) if client.wants_features else None
@@ -277,12 +343,13 @@ async def _answer(
     return True
 
 
-def _hold(session: HubSession, branch: Proposal, open_from: int) -> None:
-    """Keep a pushed branch for a proposal not asked for yet (``seq`` >= ``open_from``); one
-    for a proposal already asked for came too late and is dropped."""
+def _hold(session: HubSession, branch: Proposal, wanted: int) -> None:
+    """Keep a pushed branch for proposal ``wanted`` (the next one), up to the session's push
+    count; any other (too late, too early, one too many) is dropped."""
     assert branch.branch is not None
-    if branch.seq >= open_from:
-        session.branches[(branch.seq, *branch.branch)] = branch
+    key = (branch.seq, *branch.branch)
+    if branch.seq == wanted and (key in session.branches or len(session.branches) < session.push):
+        session.branches[key] = branch
 
 
 def _branch_for(session: HubSession, accepted: int, appended: list[int]) -> Proposal | None:
@@ -299,24 +366,65 @@ def _branch_for(session: HubSession, accepted: int, appended: list[int]) -> Prop
         inbox.put_nowait(msg)
     key = (session.expected, accepted, appended[0]) if len(appended) == 1 else None
     branch = session.branches.get(key) if key is not None else None
-    session.branches = {k: b for k, b in session.branches.items() if k[0] > session.expected}
+    session.branches = {}  # the rest held for verdicts that did not happen
     return branch
 
 
+class ProposalRefused(ValueError):
+    """A proposal the target does not verify; the message says why."""
+
+
+def checked_draft(
+    seq: TargetSequence, proposal: Proposal, max_gamma: int
+) -> tuple[list[int], torch.Tensor | None]:
+    """The draft tokens worth verifying and q dense [n, V] (None when greedy), or
+    ProposalRefused naming why the target refuses ``proposal``: more tokens than the hub's
+    max_gamma, token ids or q support outside the vocabulary, q of the wrong shape, or a q that
+    cannot be the law its tokens were drawn from (``sampling.q_problem``)."""
+    gamma, vocab = len(proposal.tokens), seq.info.vocab_size
+    if gamma > max_gamma:
+        raise ProposalRefused(f"{gamma} draft tokens, over the hub's max_gamma {max_gamma}")
+    if gamma and not (int(proposal.tokens.min()) >= 0 and int(proposal.tokens.max()) < vocab):
+        raise ProposalRefused(f"a draft token outside the vocabulary of {vocab}")
+    why = None if seq.params.greedy or gamma == 0 else _q_shape_refusal(proposal, gamma, vocab)
+    if why is not None:
+        raise ProposalRefused(why)
+    drafts, q = usable_draft(seq, proposal)
+    why = sampling.q_problem(torch.tensor(drafts), q) if drafts and q is not None else None
+    if why is not None:
+        raise ProposalRefused(why)
+    return drafts, q
+
+
+def _q_shape_refusal(proposal: Proposal, gamma: int, vocab: int) -> str | None:
+    q, support = proposal.q_probs, proposal.q_support
+    if q is None:
+        return "a sampled proposal without q"
+    if support is None:
+        return None if q.shape == (gamma, vocab) else f"dense q of shape {q.shape}"
+    if support.shape != q.shape or q.shape[0] != gamma or not 0 < q.shape[1] <= vocab:
+        return f"q support {support.shape} and probabilities {q.shape} for {gamma} tokens"
+    if int(support.min()) < 0 or int(support.max()) >= vocab:
+        return f"q support outside the vocabulary of {vocab}"
+    return None
+
+
 def usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], torch.Tensor | None]:
-    """Draft tokens worth verifying (never past max_new_tokens or the context) and dense q."""
+    """Draft tokens worth verifying (never past max_new_tokens or the context) and dense q;
+    the proposal passed :func:`checked_draft`'s shape checks."""
     room = seq.max_new_tokens - len(seq.generated) - 1
     if seq.info.max_positions is not None:
         room = min(room, seq.info.max_positions - seq.committed)
     n = max(0, min(len(proposal.tokens), room))
     drafts = [int(t) for t in proposal.tokens[:n]]
-    if seq.params.greedy or n == 0:
+    if seq.params.greedy or n == 0 or proposal.q_probs is None:
         return drafts, None
-    if proposal.q_probs is None:
-        raise HubError(protocol.ErrorCode.MALFORMED, "sampled proposal without q probabilities")
     q_probs = torch.from_numpy(proposal.q_probs[:n].astype("float32"))
-    support = None if proposal.q_support is None else torch.from_numpy(
-        proposal.q_support[:n].astype("int64"))  # fmt: skip
+    support = (
+        None
+        if proposal.q_support is None
+        else torch.from_numpy(proposal.q_support[:n].astype("int64"))
+    )
     return drafts, sampling.dense_q(q_probs, support, seq.info.vocab_size)
 
 

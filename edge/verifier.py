@@ -65,7 +65,8 @@ class SequenceStats:
             "resume_s": round(self.resume_s, 4),
             # standalone steps after speculation resumed on another hub (0: none past detection)
             "standalone_after_move": self.standalone_steps - self.standalone_at_resume
-            if self.moves else 0,
+            if self.moves
+            else 0,
             "tokens_per_s": round(generated / wall, 3),
             "latency_ms": {k: round(v, 4) for k, v in latency.items()},
         }
@@ -144,8 +145,14 @@ class TargetSequence:
             return np.zeros((0, self.info.hidden_size), dtype=np.float16)
         return torch.stack(rows).numpy()
 
-    def _apply(self, drafts: Sequence[int], q_probs: torch.Tensor | None, out: RowOutput,
-               fed_before: int, is_round: bool) -> tuple[int, list[int]]:  # fmt: skip
+    def _apply(
+        self,
+        drafts: Sequence[int],
+        q_probs: torch.Tensor | None,
+        out: RowOutput,
+        fed_before: int,
+        is_round: bool,
+    ) -> tuple[int, list[int]]:
         """Judge a forward's row (``fed_before`` uncached tokens, then ``drafts``), keep the
         accepted part of its cache and features, commit."""
         assert self.cache is not None
@@ -212,8 +219,11 @@ def prefill_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> i
     _distinct(seqs)
     rows = [s for s in seqs if not s.done and len(s.uncached()) > 1]
     if rows:
-        outs = backend.forward([_cache(s) for s in rows], [s.uncached()[:-1] for s in rows],
-                               features=any(s.collect_features for s in rows))  # fmt: skip
+        outs = backend.forward(
+            [_cache(s) for s in rows],
+            [s.uncached()[:-1] for s in rows],
+            features=any(s.collect_features for s in rows),
+        )
         for seq, out in zip(rows, outs, strict=True):
             seq._keep_features(out.features, len(out.logits))
             seq.cache = out.cache
@@ -228,8 +238,9 @@ def step_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> list
     return [appended[0] for _, appended in results]
 
 
-def verify_batch(backend: VerifierBackend,
-                 proposals: Sequence[VerifyRow]) -> list[tuple[int, list[int]]]:  # fmt: skip
+def verify_batch(
+    backend: VerifierBackend, proposals: Sequence[VerifyRow]
+) -> list[tuple[int, list[int]]]:
     """Verify each ``(seq, draft_tokens, q_probs)`` (q [gamma, V], None when greedy) and commit.
 
     All rows go through ONE backend forward. Returns per row (accepted, appended): how many draft
@@ -239,14 +250,17 @@ def verify_batch(backend: VerifierBackend,
     return decode_batch(backend, proposals, [True] * len(proposals))
 
 
-def check_proposal(seq: TargetSequence, drafts: Sequence[int],
-                   q_probs: torch.Tensor | None) -> None:  # fmt: skip
+def check_proposal(
+    seq: TargetSequence, drafts: Sequence[int], q_probs: torch.Tensor | None
+) -> None:
     """ValueError naming what is wrong with verifying ``drafts`` on ``seq`` (nothing if fine)."""
     if seq.done or seq.cache is None:
         raise ValueError("the sequence is finished")
     if drafts and not fits_context(seq, len(drafts)):  # a step may run on (RoPE models do)
-        raise ValueError(f"{seq.committed} + {len(drafts)} positions exceed the target's "
-                         f"{seq.info.max_positions}")  # fmt: skip
+        raise ValueError(
+            f"{seq.committed} + {len(drafts)} positions exceed the target's "
+            f"{seq.info.max_positions}"
+        )
     if any(not 0 <= t < seq.info.vocab_size for t in drafts):
         raise ValueError(f"a draft token is outside the vocabulary of {seq.info.vocab_size}")
     if drafts and not seq.params.greedy:
@@ -254,6 +268,9 @@ def check_proposal(seq: TargetSequence, drafts: Sequence[int],
         if q_probs is None or tuple(q_probs.shape) != shape:
             got = None if q_probs is None else tuple(q_probs.shape)
             raise ValueError(f"a sampled proposal needs q probabilities {shape}, got {got}")
+        problem = sampling.q_problem(torch.tensor(list(drafts)), q_probs)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def fits_context(seq: TargetSequence, gamma: int) -> bool:
@@ -262,8 +279,9 @@ def fits_context(seq: TargetSequence, gamma: int) -> bool:
     return limit is None or seq.committed + gamma <= limit
 
 
-def decode_batch(backend: VerifierBackend, proposals: Sequence[VerifyRow],
-                 rounds: Sequence[bool]) -> list[tuple[int, list[int]]]:  # fmt: skip
+def decode_batch(
+    backend: VerifierBackend, proposals: Sequence[VerifyRow], rounds: Sequence[bool]
+) -> list[tuple[int, list[int]]]:
     """Verifications and steps mixed: ONE forward of every row (its uncached tokens, then its
     drafts), then each row judged alone with its own generator. ``rounds[i]`` says whether row
     i counts as a verification round (False: a standalone step) in the sequence's stats."""
@@ -274,9 +292,12 @@ def decode_batch(backend: VerifierBackend, proposals: Sequence[VerifyRow],
     feeds = [[*u, *drafts] for u, (_, drafts, _) in zip(uncached, proposals, strict=True)]
     features = any(seq.collect_features for seq, _, _ in proposals)
     outs = backend.forward([_cache(seq) for seq, _, _ in proposals], feeds, features)
-    return [seq._apply(drafts, q, out, len(u), is_round)
-            for (seq, drafts, q), u, out, is_round
-            in zip(proposals, uncached, outs, rounds, strict=True)]  # fmt: skip
+    return [
+        seq._apply(drafts, q, out, len(u), is_round)
+        for (seq, drafts, q), u, out, is_round in zip(
+            proposals, uncached, outs, rounds, strict=True
+        )
+    ]
 
 
 def _cache(seq: TargetSequence) -> SequenceCache:

@@ -1,13 +1,15 @@
-"""The StarSD demo: one draft hub, several target processes, compared with the targets alone.
+"""The StarSD demo: each model pair through one draft hub, compared with its targets alone.
 
-    python scripts/demo.py [--targets 3] [--max-new-tokens 64] [--target DIR] [--draft DIR]
+    python -m scripts.demo [--pair both|smollm2|toy] [--targets 3] [--max-new-tokens 64]
 
-Phase 1 runs every target standalone (plain autoregressive decoding, the baseline); phase 2 runs
-the same prompts with one shared hub. Both phases run the targets at once, as separate processes
-on this machine. Prints a per-target table, checks that every greedy output equals the standalone
-one token for token, and ends with one machine-readable line:
+First the real pair (SmolLM2-135M-Instruct and its trained draft): one target answers two chat
+requests and continues one plain prompt, alone and then through the hub (gamma chosen by the
+hub). Then the toy pair (3.5M/0.6M, committed): one hub shared by --targets target processes,
+the one-for-many case. Each pair runs phase 1 standalone (plain autoregressive decoding, the
+baseline) and phase 2 with the hub; prints a per-target table and the texts, checks that every
+greedy output equals the standalone one token for token, and ends with one line per pair:
 
-    demo: targets=3 speedup=<x.xx> identical=<yes|no>
+    demo: pair=<smollm2|toy> targets=<n> speedup=<x.xx> identical=<yes|no>
 
 Exits 1 if any greedy output differs. Every process it starts is stopped on exit or Ctrl-C.
 """
@@ -23,9 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from harness import PROMPTS, REPO, Processes, start_hub
+from scripts.bench.harness import PROMPTS, Processes, start_hub
 
 SAMPLED = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 1}
+
+
+# The real pair's requests: chat answers (rendered by the target's chat template) and a plain
+# continuation, on topics the draft was not trained on.
+REAL_ROWS = (
+    {"id": "chat-greedy0", "prompt": "What is an owl?", "messages": "user"},
+    {"id": "chat-greedy1", "prompt": "Explain lightning in simple terms.", "messages": "user"},
+    {"id": "text-greedy2", "prompt": "The history of the printing press began"},
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,7 @@ class DemoConfig:
 
     target: str
     draft: str
+    pair: str = "toy"  # smollm2: one target on REAL_ROWS; toy: one hub for several targets
     targets: int = 3
     prompts_per_target: int = 2
     max_new_tokens: int = 64
@@ -42,7 +54,13 @@ class DemoConfig:
 
 
 def write_inputs(config: DemoConfig, work: Path) -> list[Path]:
-    """One JSONL per target: its greedy prompts, plus one sampled request on the first target."""
+    """One JSONL per target: its greedy prompts, plus one sampled request on the first target
+    (the real pair: REAL_ROWS on one target)."""
+    if config.pair == "smollm2":
+        rows = [_real_row(r) for r in REAL_ROWS]
+        path = work / "in0.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return [path]
     paths = []
     for t in range(config.targets):
         rows = []
@@ -57,17 +75,37 @@ def write_inputs(config: DemoConfig, work: Path) -> list[Path]:
     return paths
 
 
+def _real_row(row: dict) -> dict:
+    """A REAL_ROWS entry as a JSONL line: "messages" "user" means the prompt is one user turn."""
+    out = {k: v for k, v in row.items() if k != "messages"}
+    if "messages" in row:
+        out["messages"] = [{"role": "user", "content": row["prompt"]}]
+    return out
+
+
 def run_phase(
     config: DemoConfig, procs: Processes, inputs: list[Path], work: Path, hub: str | None
 ) -> list[list[dict]]:
     """Run all targets at once (standalone when ``hub`` is None); returns their JSONL rows."""
     name = "standalone" if hub is None else "starsd"
-    mode = ["--standalone"] if hub is None else ["--hub", hub, "--gamma", str(config.gamma)]
+    gamma = str(config.gamma if config.pair == "toy" else 0)  # 0: the hub's choice (auto)
+    mode = ["--standalone"] if hub is None else ["--hub", hub, "--gamma", gamma]
     running = []
     for t, path in enumerate(inputs):
         out = work / f"{name}{t}.jsonl"
-        args = ["-m", "edge.target", "--model", config.target, "--prompts", str(path), "--out",
-                str(out), "--max-new-tokens", str(config.max_new_tokens), *mode]  # fmt: skip
+        args = [
+            "-m",
+            "edge.target",
+            "--model",
+            config.target,
+            "--prompts",
+            str(path),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            str(config.max_new_tokens),
+            *mode,
+        ]
         running.append((procs.start(args, work / f"{name}{t}.log"), out, work / f"{name}{t}.log"))
     rows = []
     for proc, out, log in running:
@@ -89,6 +127,16 @@ def decode_rate(rows: list[dict], greedy_only: bool = True) -> tuple[int, float]
     return tokens, seconds
 
 
+def distinct_ngrams(outputs: list[list[int]], n: int = 4) -> float:
+    """Distinct n-grams over all n-grams, each output on its own: how far the text is from
+    looping (the toy pair's "be be be be" reads low, English high)."""
+    distinct = total = 0
+    for ids in outputs:
+        grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+        distinct, total = distinct + len(set(grams)), total + len(grams)
+    return distinct / max(total, 1)
+
+
 def summarise(base: list[list[dict]], spec: list[list[dict]]) -> dict:
     """Per-target figures, the system speedup and the token-for-token check."""
     per_target, identical = [], True
@@ -97,35 +145,63 @@ def summarise(base: list[list[dict]], spec: list[list[dict]]) -> dict:
         s_tok, s_s = decode_rate(s_rows)
         rounds = sum(r["stats"]["rounds"] for r in s_rows)
         accepted = sum(r["stats"]["accepted"] for r in s_rows)
-        same = all(b["token_ids"] == s["token_ids"] for b, s in zip(b_rows, s_rows, strict=True)
-                   if "greedy" in str(b["id"]))  # fmt: skip
+        same = all(
+            b["token_ids"] == s["token_ids"]
+            for b, s in zip(b_rows, s_rows, strict=True)
+            if "greedy" in str(b["id"])
+        )
         identical &= same
-        per_target.append({
-            "target": t, "tokens": s_tok, "standalone_tokens_per_s": b_tok / b_s,
-            "starsd_tokens_per_s": s_tok / s_s, "speedup": (s_tok / s_s) / (b_tok / b_s),
-            "mean_accepted": accepted / max(rounds, 1), "rounds": rounds,
-            "greedy_identical": same,
-        })  # fmt: skip
+        per_target.append(
+            {
+                "target": t,
+                "tokens": s_tok,
+                "standalone_tokens_per_s": b_tok / b_s,
+                "starsd_tokens_per_s": s_tok / s_s,
+                "speedup": (s_tok / s_s) / (b_tok / b_s),
+                "mean_accepted": accepted / max(rounds, 1),
+                "rounds": rounds,
+                "greedy_identical": same,
+            }
+        )
     system_base = sum(p["standalone_tokens_per_s"] for p in per_target)
     system_spec = sum(p["starsd_tokens_per_s"] for p in per_target)
-    return {"per_target": per_target, "system_standalone_tokens_per_s": system_base,
-            "system_starsd_tokens_per_s": system_spec, "speedup": system_spec / system_base,
-            "identical": identical}  # fmt: skip
+    return {
+        "per_target": per_target,
+        "system_standalone_tokens_per_s": system_base,
+        "system_starsd_tokens_per_s": system_spec,
+        "speedup": system_spec / system_base,
+        "distinct_4grams": distinct_ngrams(
+            [row["token_ids"] for rows in spec for row in rows if "greedy" in str(row["id"])]
+        ),
+        "identical": identical,
+    }
 
 
 def print_report(summary: dict, spec: list[list[dict]], gamma: int) -> None:
-    head = ("target", "tokens", "alone tok/s", "StarSD tok/s", "speedup", "accepted/round",
-            "accept rate", "greedy same")  # fmt: skip
+    head = (
+        "target",
+        "tokens",
+        "alone tok/s",
+        "StarSD tok/s",
+        "speedup",
+        "accepted/round",
+        "accept rate",
+        "greedy same",
+    )
     widths = (6, 6, 11, 12, 7, 14, 11, 11)
     print("\n" + " ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     for p in summary["per_target"]:
         rate = p["mean_accepted"] / gamma
-        print(f"{p['target']:>6} {p['tokens']:>6} {p['standalone_tokens_per_s']:>11.1f} "
-              f"{p['starsd_tokens_per_s']:>12.1f} {p['speedup']:>6.2f}x "
-              f"{p['mean_accepted']:>14.2f} {rate:>11.2f} "
-              f"{'yes' if p['greedy_identical'] else 'NO':>11}")  # fmt: skip
-    print(f"system: standalone {summary['system_standalone_tokens_per_s']:.1f} tok/s, "
-          f"StarSD {summary['system_starsd_tokens_per_s']:.1f} tok/s")  # fmt: skip
+        print(
+            f"{p['target']:>6} {p['tokens']:>6} {p['standalone_tokens_per_s']:>11.1f} "
+            f"{p['starsd_tokens_per_s']:>12.1f} {p['speedup']:>6.2f}x "
+            f"{p['mean_accepted']:>14.2f} {rate:>11.2f} "
+            f"{'yes' if p['greedy_identical'] else 'NO':>11}"
+        )
+    print(
+        f"system: standalone {summary['system_standalone_tokens_per_s']:.1f} tok/s, "
+        f"StarSD {summary['system_starsd_tokens_per_s']:.1f} tok/s"
+    )
     for rows in spec:
         for row in rows:
             kind = "sampled" if "sampled" in str(row["id"]) else "greedy"
@@ -140,16 +216,20 @@ def run(config: DemoConfig) -> int:
         work = Path(tmp)
         try:
             inputs = write_inputs(config, work)
-            print(f"[1/2] {config.targets} targets standalone (the baseline) ...", flush=True)
+            n = len(inputs)
+            print(f"[{config.pair} 1/2] {n} target(s) standalone (the baseline) ...", flush=True)
             base = run_phase(config, procs, inputs, work, hub=None)
-            print(f"[2/2] one hub + {config.targets} targets (StarSD) ...", flush=True)
-            hub, endpoint = start_hub(procs, config.draft, work / "hub.log",
-                                      "--gamma", str(config.gamma))  # fmt: skip
+            print(f"[{config.pair} 2/2] one hub + {n} target(s) (StarSD) ...", flush=True)
+            gamma = ["--gamma", str(config.gamma)] if config.pair == "toy" else []
+            hub, endpoint = start_hub(procs, config.draft, work / "hub.log", *gamma)
             spec = run_phase(config, procs, inputs, work, hub=endpoint)
             hub.send_signal(signal.SIGTERM)
             hub.wait(timeout=30)
-            hub_summary = [ln for ln in (work / "hub.log").read_text().splitlines()
-                           if "hub:" in ln or "target " in ln][-1 - config.targets :]  # fmt: skip
+            hub_summary = [
+                ln
+                for ln in (work / "hub.log").read_text().splitlines()
+                if "hub:" in ln or "target " in ln
+            ][-1 - n :]
         finally:
             procs.stop_all()
     summary = summarise(base, spec)
@@ -158,21 +238,38 @@ def run(config: DemoConfig) -> int:
     Path(config.out).parent.mkdir(parents=True, exist_ok=True)
     Path(config.out).write_text(json.dumps({"config": config.__dict__, **summary}, indent=2))
     identical = "yes" if summary["identical"] else "no"
-    print(f"demo: targets={config.targets} speedup={summary['speedup']:.2f} identical={identical}")
+    print(
+        f"demo: pair={config.pair} targets={len(spec)} speedup={summary['speedup']:.2f} "
+        f"distinct4={summary['distinct_4grams']:.2f} identical={identical}"
+    )
     return 0 if summary["identical"] else 1
 
 
-def parse_args(argv: list[str] | None = None) -> DemoConfig:
-    """argparse -> DemoConfig."""
+def parse_args(argv: list[str] | None = None) -> list[DemoConfig]:
+    """argparse -> one DemoConfig per pair shown (--pair both: the real pair first)."""
+    from starsd import models
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default=str(REPO / "models" / "starsd-target"))
-    p.add_argument("--draft", default=str(REPO / "models" / "starsd-draft"))
+    p.add_argument("--pair", choices=["both", *sorted(models.PAIRS)], default="both")
     p.add_argument("--targets", type=int, default=DemoConfig.targets)
     p.add_argument("--prompts-per-target", type=int, default=DemoConfig.prompts_per_target)
     p.add_argument("--max-new-tokens", type=int, default=DemoConfig.max_new_tokens)
     p.add_argument("--gamma", type=int, default=DemoConfig.gamma)
     p.add_argument("--out", default=DemoConfig.out)
-    return DemoConfig(**vars(p.parse_args(argv)))
+    args = vars(p.parse_args(argv))
+    pairs = ["smollm2", "toy"] if args["pair"] == "both" else [args["pair"]]
+    out = Path(args.pop("out"))
+    del args["pair"]
+    return [
+        DemoConfig(
+            target=str(models.PAIRS[name][0]),
+            draft=str(models.PAIRS[name][1]),
+            pair=name,
+            out=str(out.with_name(f"{out.stem}-{name}{out.suffix}")),
+            **args,
+        )
+        for name in pairs
+    ]
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -180,14 +277,15 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
-    for path in (config.target, config.draft):
-        if not (Path(path) / "config.json").exists():
-            print(f"no model at {path}: run `make models` first", file=sys.stderr)
-            return 2
+    configs = parse_args(argv)
+    for config in configs:
+        for path in (config.target, config.draft):
+            if not (Path(path) / "config.json").exists():
+                print(f"no model at {path}: run `make install` first", file=sys.stderr)
+                return 2
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return run(config)
+        return max(run(config) for config in configs)
     except KeyboardInterrupt:
         print("demo: interrupted; all processes stopped", file=sys.stderr)
         return 130

@@ -40,86 +40,29 @@ M = 1 is the one-at-a-time hub: k = N, T_busy = N * S(1), T_idle = max(0, S(1) +
 N_full = ceil((S(1) + R) / S(1)) and the fully loaded ceiling is E[L] / S(1).
 
 Auto gamma (``--gamma auto``, the hub's default): the hub picks each round's gamma in 0..G by
-:func:`best_gamma`, the rule :mod:`starsd.hub.policy` applies per session. Here every target is
-alike, so :func:`auto_gamma` runs the rule against the model itself: at the current gamma g it
-predicts the regime, the queue wait W and the largest batch B_1, asks the rule for the best g'
-given S(B_1, g') (the curve, measured at the inputs' gamma, scaled by (1 + g' - 1) / gamma: one
-feed and g' - 1 decode steps, each costing as much as the feed), R (constant in g) and
-T_alone = T_ar, and repeats until g' = g (where the hub settles), or, should the rule cycle (0,
-then speculation once the hub idles), takes the cycle's best. gamma 0 is the target alone:
-N / T_ar, the hub idle.
+:func:`starsd.goodput.best_gamma`, the rule :mod:`starsd.hub.policy` applies per session. Here every
+target is alike, so :func:`auto_gamma` runs the rule against the model itself: at the current gamma
+g it predicts the regime, the queue wait W and the largest batch B_1, asks the rule for the best g'
+given S(B_1, g') (:mod:`starsd.service`: measured at the inputs' gamma, one feed and g' - 1 decode
+steps, each costing as much as the feed), R (constant in g) and T_alone = T_ar, and repeats until g'
+= g (where the hub settles), or, should the rule cycle (0, then speculation once the hub idles),
+takes the cycle's best. gamma 0 is the target alone: N / T_ar, the hub idle.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
 import json
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from starsd.goodput import best_gamma
+from starsd.service import ServiceCurve
+
 MAX_TARGETS = 100_000  # how far saturation_point and break_even_targets search in N
-
-
-@dataclass(frozen=True)
-class ServiceCurve:
-    """S(B): the hub's service time (seconds) per batch size, from measured points.
-
-    ``points`` are (batch size, S seconds) pairs, kept sorted by size (the constructor sorts
-    them); sizes are distinct and >= 1, times positive. Between two measured sizes S is linear;
-    below the smallest it is the smallest's value; above the largest it goes on along the last
-    two points' line, never below the last value (a batched forward never gets cheaper).
-    """
-
-    points: tuple[tuple[int, float], ...]
-
-    def __post_init__(self) -> None:
-        points = tuple(sorted((int(b), float(s)) for b, s in self.points))
-        if not points:
-            raise ValueError("a service curve needs at least one point")
-        sizes = [b for b, _ in points]
-        if sizes[0] < 1 or len(set(sizes)) != len(sizes):
-            raise ValueError(f"batch sizes must be distinct and >= 1, got {sizes}")
-        if not all(math.isfinite(s) and s > 0 for _, s in points):
-            raise ValueError(f"service times must be positive, got {points}")
-        object.__setattr__(self, "points", points)  # normalised: sorted tuples (hashable)
-
-    def at(self, batch: int) -> float:
-        """S(batch) in seconds."""
-        points = self.points
-        i = bisect.bisect_left(points, (batch,))  # the first point with size >= batch
-        if i == 0:
-            return points[0][1]
-        if i < len(points):
-            return _line(points[i - 1], points[i], batch)
-        if len(points) == 1:
-            return points[0][1]
-        return max(points[-1][1], _line(points[-2], points[-1], batch))
-
-    @classmethod
-    def parse(cls, text: str) -> ServiceCurve:
-        """From ``"B:ms,B:ms,..."``, e.g. ``"1:4.3,8:4.7,32:6.5"`` (milliseconds)."""
-        try:
-            pairs = [item.split(":") for item in text.replace(" ", "").split(",") if item]
-            return cls(tuple((int(b), float(ms) / 1e3) for b, ms in pairs))
-        except ValueError as exc:  # (a pair without ':' fails to unpack: ValueError too)
-            raise ValueError(f"bad service curve {text!r} (want B:ms,B:ms,...): {exc}") from None
-
-    @classmethod
-    def from_totals(cls, totals: Iterable[tuple[int, int, float]]) -> ServiceCurve:
-        """From (batch size, batches, summed seconds) rows, as ``HubStats.service_totals()``
-        and ``protocol.Stats.service_totals()`` give them; sizes never drafted are skipped."""
-        return cls(tuple((int(b), s / n) for b, n, s in totals if n > 0))
-
-
-def _line(a: tuple[int, float], b: tuple[int, float], batch: int) -> float:
-    """The line through points ``a`` and ``b``, at ``batch``."""
-    (b0, s0), (b1, s1) = a, b
-    return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
 
 
 @dataclass(frozen=True)
@@ -128,8 +71,8 @@ class ModelInputs:
 
     ``curve`` None is the one-at-a-time hub: S(1) = ``draft_s`` and no batching, so
     ``max_batch`` must then be 1 (assuming S(B) = S(1) for every B would make batching free).
-    With a curve, S(B) = ``curve.at(B)`` for every B, S(1) included; ``draft_s`` stays the
-    one-at-a-time figure it was measured as.
+    With a curve, S(B) = ``curve.at(B, gamma)`` for every B, S(1) included; ``draft_s`` stays
+    the one-at-a-time figure it was measured as.
     """
 
     alpha: float  # per-token acceptance rate
@@ -139,7 +82,7 @@ class ModelInputs:
     link_s: float  # network round trip + (de)serialisation per round
     target_step_s: float  # T_ar: the target's standalone decode step
     max_batch: int = 1  # M: the most jobs the hub drafts in one batch
-    curve: ServiceCurve | None = None  # S(B); None: one-at-a-time
+    curve: ServiceCurve | None = None  # S(B, g); None: one-at-a-time
     hit_rate: float = 0.0  # h: share of jobs answered from a pre-drafted branch when idle
     # tau (<= h): of which its target had taken the branch pushed to it (Open.push): that round
     # costs the target's verify alone, no link and no hub time on its path
@@ -201,7 +144,7 @@ def round_trip_outside_hub(inputs: ModelInputs) -> float:
 
 def service_s(inputs: ModelInputs, batch: int) -> float:
     """S(batch): the curve's value, or ``draft_s`` for the one-at-a-time hub."""
-    return inputs.curve.at(batch) if inputs.curve is not None else inputs.draft_s
+    return inputs.curve.at(batch, inputs.gamma) if inputs.curve is not None else inputs.draft_s
 
 
 def batch_sizes(n_targets: int, max_batch: int) -> tuple[int, ...]:
@@ -240,8 +183,7 @@ def _idle(inputs: ModelInputs, n_targets: int) -> tuple[float, float, int, int]:
     if busy >= cycle or inputs.hit_rate == 0.0:
         return max(0.0, cycle - busy), busy, k, first
     miss, link_saved = 1.0 - inputs.hit_rate, inputs.taken_rate * inputs.link_s
-    cycle = (miss * service_s(inputs, first) + round_trip_outside_hub(inputs) - link_saved
-             + arrivals)  # fmt: skip
+    cycle = miss * service_s(inputs, first) + round_trip_outside_hub(inputs) - link_saved + arrivals
     return max(0.0, cycle - miss * busy), miss * busy, k, first
 
 
@@ -289,53 +231,13 @@ def break_even_targets(inputs: ModelInputs) -> int:
 # ---------------------------------------------------------------------------------- auto gamma
 
 
-def best_gamma(expected: Sequence[float], costs: Sequence[float], outside: Sequence[float],
-               alone_s: float | None, batch: int, loaded: bool) -> int:  # fmt: skip
-    """The gamma in 0..G that a session should draft next; the rule of ``--gamma auto``.
-
-    ``expected[g]`` is E[L(g)], ``costs[g]`` S(B, g) of the batch being formed, ``outside[g]``
-    the rest of the session's cycle at g (queue wait + R(g)), ``alone_s`` T_alone (None: never
-    alone), ``batch`` B; index 0 of the lists is unused. The session's own rate is
-    own(g) = E[L(g)] / (S(B, g) + outside[g]), alone 1 / T_alone. Under-loaded: argmax own over
-    0..G. Fully loaded: among g >= 1 with own(g) >= 1 / T_alone, argmax E[L(g)] / (S(B, g) / B),
-    its tokens per second of hub time (its share of the batch); 0 if there is none. Ties go to
-    the shorter gamma (and to drafting over decoding alone).
-    """
-    return pick_gamma(gamma_rates(expected, costs, outside, alone_s, batch, loaded))
-
-
-def gamma_rates(expected: Sequence[float], costs: Sequence[float], outside: Sequence[float],
-                alone_s: float | None, batch: int, loaded: bool) -> list[float]:  # fmt: skip
-    """What :func:`best_gamma` ranks, for g = 0..G: under-loaded own(g) (index 0: 1 / T_alone,
-    0 when never alone); fully loaded the tokens per hub second of each g that pays for the
-    session, -1 for those that do not, and 0 at index 0 (alone: chosen when none pays)."""
-    top = min(len(expected), len(costs), len(outside)) - 1
-    alone = 1.0 / alone_s if alone_s else 0.0
-    own = [expected[g] / (costs[g] + outside[g]) for g in range(1, top + 1)]
-    if not loaded:
-        return [alone, *own]
-    share = max(batch, 1)
-    return [0.0, *[expected[g] * share / max(costs[g], 1e-12) if own[g - 1] >= alone else -1.0
-                   for g in range(1, top + 1)]]  # fmt: skip
-
-
-def pick_gamma(rates: Sequence[float]) -> int:
-    """The best of :func:`gamma_rates`: the highest rate, the shorter gamma on a tie, and
-    decoding alone (index 0) only when strictly ahead of every gamma."""
-    best = max(range(1, len(rates)), key=lambda g: (rates[g], -g))
-    return 0 if rates[0] > rates[best] else best
-
-
 def at_gamma(inputs: ModelInputs, gamma: int) -> ModelInputs:
-    """The inputs with proposals of ``gamma`` tokens (>= 1): S scaled from the inputs' gamma
-    as one feed plus gamma - 1 decode steps of equal cost; R kept (see the module docstring)."""
+    """The inputs with proposals of ``gamma`` tokens (>= 1): the curve's S(B, gamma); the
+    one-at-a-time S(1) scaled as one feed plus gamma - 1 decode steps of equal cost; R kept
+    (see the module docstring)."""
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1 here, got {gamma}")
-    factor = gamma / inputs.gamma
-    curve = inputs.curve
-    if curve is not None:
-        curve = ServiceCurve(tuple((b, s * factor) for b, s in curve.points))
-    return dataclasses.replace(inputs, gamma=gamma, draft_s=inputs.draft_s * factor, curve=curve)
+    return dataclasses.replace(inputs, gamma=gamma, draft_s=inputs.draft_s * gamma / inputs.gamma)
 
 
 def predict_at(inputs: ModelInputs, n_targets: int, gamma: int) -> Prediction:
@@ -361,9 +263,10 @@ def auto_gamma(inputs: ModelInputs, n_targets: int, max_gamma: int = 16) -> tupl
         if loaded:  # the queue: what is left of the cycle besides its batch and R
             wait = max(p.iteration_s - service_s(at_gamma(inputs, gamma), first) - r, 0.0)
         costs = [0.0] + [service_s(at_gamma(inputs, g), first) for g in range(1, max_gamma + 1)]
-        gamma = best_gamma(expected, costs, [wait + r] * (max_gamma + 1),
-                           inputs.target_step_s, first, loaded)  # fmt: skip
-    cycle = visited[visited.index(gamma):]
+        gamma = best_gamma(
+            expected, costs, [wait + r] * (max_gamma + 1), inputs.target_step_s, first, loaded
+        )
+    cycle = visited[visited.index(gamma) :]
     best = max(cycle, key=lambda g: (predict_at(inputs, n_targets, g).system_tokens_per_s, -g))
     return best, predict_at(inputs, n_targets, best)
 
@@ -381,9 +284,11 @@ def auto_table(inputs: ModelInputs, ns: list[int], max_gamma: int = 16) -> str:
     for n in ns:
         gamma, p = auto_gamma(inputs, n, max_gamma)
         fixed = predict(inputs, n)
-        lines.append(f"| {n} | {gamma} | {p.regime} | {p.system_tokens_per_s:.1f} | "
-                     f"{p.per_target_tokens_per_s:.1f} | {p.hub_busy_fraction:.2f} | "
-                     f"{fixed.system_tokens_per_s:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {n} | {gamma} | {p.regime} | {p.system_tokens_per_s:.1f} | "
+            f"{p.per_target_tokens_per_s:.1f} | {p.hub_busy_fraction:.2f} | "
+            f"{fixed.system_tokens_per_s:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -392,27 +297,32 @@ def auto_table(inputs: ModelInputs, ns: list[int], max_gamma: int = 16) -> str:
 
 def inputs_as_json(inputs: ModelInputs) -> dict[str, Any]:
     """The ``model_inputs`` object of a benchmark JSON: the fields, with the curve as
-    ``service_curve``, a list of [B, seconds] (absent for the one-at-a-time hub)."""
+    ``service_curve``, a list of [B, S(B) seconds] at the inputs' gamma (absent for the
+    one-at-a-time hub)."""
     raw = dataclasses.asdict(inputs)
-    curve = raw.pop("curve")
-    if curve is not None:
-        raw["service_curve"] = [list(point) for point in curve["points"]]
+    raw.pop("curve")
+    if inputs.curve is not None:
+        raw["service_curve"] = [list(point) for point in inputs.curve.table(inputs.gamma)]
     return raw
 
 
 def inputs_from_json(raw: dict[str, Any]) -> ModelInputs:
     """Inverse of :func:`inputs_as_json`; also reads JSON from before the curve (no
-    ``max_batch``, no curve) and ``dataclasses.asdict`` output (``curve: {points: ...}``)."""
+    ``max_batch``, no curve) and ``dataclasses.asdict`` output (``curve: {sizes, first, step}``,
+    or an older ``curve: {points}``)."""
     raw = dict(raw)
     points = raw.pop("service_curve", None)
     legacy = raw.pop("curve", None)
-    if points is None and legacy is not None:
+    if points is None and legacy is not None and "points" in legacy:  # the older curve
         points = legacy["points"]
-    return ModelInputs(**raw, curve=ServiceCurve(tuple(points)) if points else None)
+    curve = ServiceCurve.proportional(points, raw["gamma"]) if points else None
+    if legacy is not None and "sizes" in legacy:  # dataclasses.asdict of this one
+        curve = ServiceCurve(*(tuple(legacy[k]) for k in ("sizes", "first", "step")))
+    return ModelInputs(**raw, curve=curve)
 
 
 def inputs_from_bench(path: str | Path) -> ModelInputs:
-    """Model inputs recorded by scripts/bench.py (its ``model_inputs`` object)."""
+    """Model inputs recorded by scripts.bench.run (its ``model_inputs`` object)."""
     return inputs_from_json(json.loads(Path(path).read_text())["model_inputs"])
 
 
@@ -421,7 +331,7 @@ def inputs_from_bench(path: str | Path) -> ModelInputs:
 
 def curve_sizes(inputs: ModelInputs) -> list[int]:
     """The batch sizes worth showing: 1, the measured ones up to M, and M."""
-    measured = [b for b, _ in inputs.curve.points] if inputs.curve is not None else []
+    measured = list(inputs.curve.sizes) if inputs.curve is not None else []
     return sorted({1, inputs.max_batch, *(b for b in measured if b <= inputs.max_batch)})
 
 
@@ -429,8 +339,12 @@ def curve_table(inputs: ModelInputs) -> str:
     """S(B) as a markdown table: B, S(B) ms, S(B) / S(1), proposals/s = B / S(B)."""
     one = service_s(inputs, 1)
     source = "measured curve" if inputs.curve is not None else "one at a time"
-    lines = [f"S(B), max batch M = {inputs.max_batch} ({source}):", "",
-             "| B | S(B) ms | S(B)/S(1) | proposals/s |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"S(B), max batch M = {inputs.max_batch} ({source}):",
+        "",
+        "| B | S(B) ms | S(B)/S(1) | proposals/s |",
+        "|---|---|---|---|",
+    ]
     for b in curve_sizes(inputs):
         s = service_s(inputs, b)
         lines.append(f"| {b} | {1e3 * s:.2f} | {s / one:.2f} | {b / s:.0f} |")
@@ -488,7 +402,7 @@ def _plot_curve(ax: Any, inputs: ModelInputs) -> None:
     grid = list(range(1, inputs.max_batch + 1))
     ax.plot(grid, [1e3 * service_s(inputs, b) for b in grid], label="S(B) (model)")
     if inputs.curve is not None:
-        sizes, times = zip(*inputs.curve.points, strict=True)
+        sizes, times = zip(*inputs.curve.table(inputs.gamma), strict=True)
         ax.plot(sizes, [1e3 * s for s in times], "o", label="measured")
     ax.set(xlabel="batch size B", ylabel="ms per batch", title=f"S(B), M = {inputs.max_batch}")
     ax.set_ylim(bottom=0)
@@ -508,14 +422,18 @@ def parse_cli(
     argv: list[str] | None = None,
 ) -> tuple[ModelInputs, list[int], str | None, int | None]:
     """argparse -> (inputs, N values, plot path, max gamma under --gamma auto, else None)."""
-    p = argparse.ArgumentParser(prog="python -m starsd.analytic",
-                                description=__doc__.split("\n")[0])  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m starsd.analytic", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--from", dest="source", help="a benchmark JSON with model_inputs")
     p.add_argument("--alpha", type=float, default=0.7)
-    p.add_argument("--gamma", default="4",
-                   help="draft tokens per round, or auto: the gamma the hub's policy settles "
-                        "at per N (S and verify are then taken as measured at gamma 4, or the "
-                        "benchmark's gamma)")  # fmt: skip
+    p.add_argument(
+        "--gamma",
+        default="4",
+        help="draft tokens per round, or auto: the gamma the hub's policy settles "
+        "at per N (S and verify are then taken as measured at gamma 4, or the "
+        "benchmark's gamma)",
+    )
     p.add_argument("--max-gamma", type=int, default=16, help="auto: the largest gamma")
     p.add_argument("--draft-ms", type=float, default=3.0, help="S(d) = S(1) per proposal")
     p.add_argument("--verify-ms", type=float, default=5.0)
@@ -523,10 +441,18 @@ def parse_cli(
     p.add_argument("--target-step-ms", type=float, default=4.0)
     p.add_argument("--max-batch", type=int, help="M (default: the curve's largest B, else 1)")
     p.add_argument("--curve", help="S(B) as B:ms pairs, e.g. 1:4.3,8:4.7,32:6.5")
-    p.add_argument("--hit-rate", type=float, default=0.0,
-                   help="share of jobs answered from pre-drafted branches while the hub idles")
-    p.add_argument("--taken-rate", type=float, default=0.0,
-                   help="of which the target took the branch pushed to it (<= --hit-rate)")
+    p.add_argument(
+        "--hit-rate",
+        type=float,
+        default=0.0,
+        help="share of jobs answered from pre-drafted branches while the hub idles",
+    )
+    p.add_argument(
+        "--taken-rate",
+        type=float,
+        default=0.0,
+        help="of which the target took the branch pushed to it (<= --hit-rate)",
+    )
     p.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--plot", help="write the curves to this PNG")
     a = p.parse_args(argv)
@@ -545,16 +471,24 @@ def parse_cli(
 def _base_inputs(a: argparse.Namespace) -> ModelInputs:
     if a.source:
         return inputs_from_bench(a.source)
-    return ModelInputs(a.alpha, a.gamma, a.draft_ms / 1e3, a.verify_ms / 1e3, a.link_ms / 1e3,
-                       a.target_step_ms / 1e3)  # fmt: skip
+    return ModelInputs(
+        a.alpha,
+        a.gamma,
+        a.draft_ms / 1e3,
+        a.verify_ms / 1e3,
+        a.link_ms / 1e3,
+        a.target_step_ms / 1e3,
+    )
 
 
 def _with_batching(inputs: ModelInputs, curve: str | None, max_batch: int | None) -> ModelInputs:
     """``--curve`` and ``--max-batch`` over the base inputs (flags, or a benchmark's)."""
     if curve is not None:
-        parsed = ServiceCurve.parse(curve)
-        batch = max_batch if max_batch is not None else parsed.points[-1][0]
-        return dataclasses.replace(inputs, draft_s=parsed.at(1), max_batch=batch, curve=parsed)
+        parsed = ServiceCurve.parse(curve, inputs.gamma)
+        batch = max_batch if max_batch is not None else parsed.sizes[-1]
+        return dataclasses.replace(
+            inputs, draft_s=parsed.at(1, inputs.gamma), max_batch=batch, curve=parsed
+        )
     if max_batch is not None:
         return dataclasses.replace(inputs, max_batch=max_batch)
     return inputs

@@ -21,7 +21,7 @@ whole batch without copies between steps.
 Why a gather and a scatter rather than a paged cache: transformers' attention wants dense
 [B, heads, T, d] keys, and at hub scale (a few layers, a few hundred positions) copying each
 session's cache in and its new part out once per proposal costs less than the forwards it
-batches (measured by ``scripts/bench_service.py``), while a session keeps a compact tensor of its
+batches (measured by ``scripts.bench.service``), while a session keeps a compact tensor of its
 own that a verdict crops with a slice.
 """
 
@@ -102,16 +102,19 @@ class SequenceCache:
 class LayerBuffer:
     """One layer's keys and values for a whole batch, preallocated; appends write in place."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int,
-                 whole: torch.Tensor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        filled: int,
+        whole: torch.Tensor | None = None,
+    ) -> None:
         self.keys = keys  # [B, heads, capacity, d]
         self.values = values  # [B, heads, capacity, d]
         self.filled = filled  # columns written so far
         self.whole = whole  # [layers, 2, B, heads, capacity, d] of a gather, which these view
 
-    def append(
-        self, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new columns [B, heads, n, d]; returns views of every filled column."""
         end = self.filled + keys.shape[2]
         if end > self.keys.shape[2]:
@@ -203,8 +206,13 @@ class RaggedBatch:
     def _fed(self) -> torch.Tensor:
         return torch.tensor(self.fed)  # [B]
 
-    def gather(self, caches: Sequence[SequenceCache], shapes: Sequence[tuple[int, int]],
-               dtype: torch.dtype, device: torch.device) -> list[LayerBuffer]:  # fmt: skip
+    def gather(
+        self,
+        caches: Sequence[SequenceCache],
+        shapes: Sequence[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[LayerBuffer]:
         """Per-layer buffers [B, heads, capacity, d] holding every row's cache, right-aligned.
 
         ``shapes`` is (heads, d) per layer, the same for every layer. The buffers are views of
@@ -223,8 +231,9 @@ class RaggedBatch:
                 whole[:, :, row, :, c_max - self.cached[row] : c_max] = cache.kv
         return [LayerBuffer(layer[0], layer[1], c_max, whole) for layer in whole.unbind(0)]
 
-    def scatter(self, buffers: Sequence[LayerBuffer], row: int, steps_kept: int,
-                keep_cached: bool = True) -> SequenceCache:  # fmt: skip
+    def scatter(
+        self, buffers: Sequence[LayerBuffer], row: int, steps_kept: int, keep_cached: bool = True
+    ) -> SequenceCache:
         """Row ``row``'s new cache: its cached (unless not ``keep_cached``), fed and first
         ``steps_kept`` decoded columns, as one compact tensor of its own."""
         c_max, f_max = self.cached_width, self.fed_width
@@ -233,10 +242,12 @@ class RaggedBatch:
         if self.fed[row] == f_max or steps_kept == 0:  # one run of columns: a slice
             stop = c_max + self.fed[row] + (steps_kept if self.fed[row] == f_max else 0)
             return SequenceCache(whole[:, :, :, first:stop].clone())
-        keep = torch.cat([
-            torch.arange(first, c_max + self.fed[row]),
-            torch.arange(c_max + f_max, c_max + f_max + steps_kept),
-        ])  # fmt: skip
+        keep = torch.cat(
+            [
+                torch.arange(first, c_max + self.fed[row]),
+                torch.arange(c_max + f_max, c_max + f_max + steps_kept),
+            ]
+        )
         return SequenceCache(whole.index_select(3, keep))
 
 
@@ -253,4 +264,3 @@ def _whole(buffers: Sequence[LayerBuffer]) -> torch.Tensor:
     if buffers[0].whole is not None:
         return buffers[0].whole
     return torch.stack([torch.stack([b.keys, b.values]) for b in buffers])
-

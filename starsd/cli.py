@@ -98,13 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _generate(cmd: KeysGenerate) -> int:
-    public_file, secret_file = generate_keypair(cmd.directory, cmd.name,
-                                                         force=cmd.force)  # fmt: skip
+    public_file, secret_file = generate_keypair(cmd.directory, cmd.name, force=cmd.force)
     public = load_public_key(public_file).decode("ascii")
     print(f"public key  {public_file}  {public}")
     print(f"secret key  {secret_file}  (mode 0600: keep it on this machine only)")
-    print(f"next: copy {public_file.name} to the peers that must recognise '{cmd.name}' (a "
-          "target's .key into the hub's --allow-dir; the hub's .key to every target)")  # fmt: skip
+    print(
+        f"next: copy {public_file.name} to the peers that must recognise '{cmd.name}' (a "
+        "target's .key into the hub's --allow-dir; the hub's .key to every target)"
+    )
     return 0
 
 

@@ -153,14 +153,20 @@ class HandshakeWatch:
 
 def _describe_failure(kind: int, value: int) -> str | None:
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"the hub refused this key (ZAP status {value}): its public .key file is not in "
-                "the hub's allow dir, or was removed")  # fmt: skip
+        return (
+            f"the hub refused this key (ZAP status {value}): its public .key file is not in "
+            "the hub's allow dir, or was removed"
+        )
     if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return (f"protocol error {_event_name(value)}; a mechanism mismatch means one side uses "
-                "CURVE and the other plain text")  # fmt: skip
+        return (
+            f"protocol error {_event_name(value)}; a mechanism mismatch means one side uses "
+            "CURVE and the other plain text"
+        )
     if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return (f"the hub closed the handshake (errno {value}): wrong hub public key, or the "
-                "hub has no authenticator running")  # fmt: skip
+        return (
+            f"the hub closed the handshake (errno {value}): wrong hub public key, or the "
+            "hub has no authenticator running"
+        )
     return None
 
 

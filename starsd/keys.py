@@ -135,8 +135,12 @@ def load_public_key(path: Path, *, warn_if_secret: bool = True) -> bytes:
     """
     public, secret = load_certificate(path)
     if secret is not None and warn_if_secret:
-        log.warning("%s contains a SECRET key; only its public half is used here. Give this "
-                    "side the public file (NAME%s) instead.", path, PUBLIC_SUFFIX)  # fmt: skip
+        log.warning(
+            "%s contains a SECRET key; only its public half is used here. Give this "
+            "side the public file (NAME%s) instead.",
+            path,
+            PUBLIC_SUFFIX,
+        )
     return public
 
 
@@ -164,16 +168,21 @@ def _check_z85_key(path: Path, key: bytes) -> None:
 def _warn_if_exposed(path: Path) -> None:
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
-        log.warning("secret key file %s has mode %04o: others may read it (chmod 600 %s)",
-                    path, mode, path)  # fmt: skip
+        log.warning(
+            "secret key file %s has mode %04o: others may read it (chmod 600 %s)", path, mode, path
+        )
 
 
 def list_keys(directory: Path) -> list[KeyInfo]:
     """Every key name in ``directory`` with its public key and whether a secret file exists."""
     suffixes = (PUBLIC_SUFFIX, SECRET_SUFFIX)
-    names = sorted({p.name.removesuffix(SECRET_SUFFIX).removesuffix(PUBLIC_SUFFIX)
-                    for p in directory.iterdir()
-                    if p.is_file() and p.name.endswith(suffixes)})  # fmt: skip
+    names = sorted(
+        {
+            p.name.removesuffix(SECRET_SUFFIX).removesuffix(PUBLIC_SUFFIX)
+            for p in directory.iterdir()
+            if p.is_file() and p.name.endswith(suffixes)
+        }
+    )
     return [_key_info(directory, name) for name in names]
 
 

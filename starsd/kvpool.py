@@ -50,8 +50,9 @@ class Slot:
 class KVPool:
     """The KV caches of one model's sequences in flight (see the module docstring)."""
 
-    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+    ) -> None:
         """``shape``: (layers, kv heads, head dim) of the model's caches."""
         self.shape, self.dtype, self.device = shape, dtype, device
         self.whole: torch.Tensor | None = None  # [layers, 2, slots, kv, capacity, d]
@@ -152,15 +153,14 @@ class KVPool:
 class PooledRows:
     """A ragged batch whose rows all live in one :class:`KVPool`.
 
-    The :class:`starsd.llama.KeyValues` of a forward (``attend``), and what transformers' hooks
-    in :func:`starsd.models.forward_rows` call (``write``, then ``attend_stored``). Row i feeds
+    The :class:`starsd.llama.KeyValues` of a forward (``attend``: ``write``, then
+    ``attend_stored``). Row i feeds
     ``f_i`` tokens after its ``c_i`` cached positions; the feed is right-padded to F, and a
     padding column's keys land past the row's length (where nothing reads them). Used from the
     model thread only.
     """
 
-    def __init__(self, pool: KVPool, caches: Sequence[SequenceCache],
-                 fed: Sequence[int]) -> None:  # fmt: skip
+    def __init__(self, pool: KVPool, caches: Sequence[SequenceCache], fed: Sequence[int]) -> None:
         self.pool = pool
         self.layers = pool.shape[0]
         self.fed = tuple(fed)
@@ -172,7 +172,8 @@ class PooledRows:
         index = torch.tensor([s.index for s in self._slots], device=pool.device)  # [B]
         self._index = index
         self._columns = torch.tensor(self.start, device=pool.device)[:, None] + torch.arange(
-            width, device=pool.device)  # [B, F]: where each row's feed lands  # fmt: skip
+            width, device=pool.device
+        )  # [B, F]: where each row's feed lands
         self._low = int(index.min())
         span = int(index.max()) - self._low + 1
         # One attention over the slot range while it is dense (see the module docstring).
@@ -180,7 +181,8 @@ class PooledRows:
         self._span = span
         # the rows ARE the range, in order: queries and outputs need no scatter / gather
         self._exact = span == len(self.rows) and bool(
-            (index == self._low + torch.arange(span, device=pool.device)).all())
+            (index == self._low + torch.arange(span, device=pool.device)).all()
+        )
         self._keys = max(c + f for c, f in zip(self.start, self.fed, strict=True))
         self._allowed: torch.Tensor | None = None
 
@@ -202,8 +204,9 @@ class PooledRows:
         whole[layer, 0, rows, :, self._columns] = keys.transpose(1, 2)  # [B, F, kv, d]
         whole[layer, 1, rows, :, self._columns] = values.transpose(1, 2)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:  # fmt: skip
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """:class:`starsd.llama.KeyValues`: store this layer's new keys, then attend."""
         self.write(layer, k, v)
         return self.attend_stored(layer, q, scale)
@@ -237,27 +240,29 @@ class PooledRows:
             width = self._columns.shape[1]
             fed = torch.tensor(self.fed, device=device)[:, None]  # [B, 1]
             last = self._columns[:, :1] + torch.minimum(
-                torch.arange(width, device=device)[None, :], fed - 1)  # [B, F]  # fmt: skip
+                torch.arange(width, device=device)[None, :], fed - 1
+            )  # [B, F]
             limit = torch.zeros(self._span, width, dtype=torch.long, device=device)
             limit[self._index - self._low] = last
             self._allowed = (torch.arange(self._keys, device=device) <= limit[..., None])[:, None]
         return self._allowed
 
-    def _attend_each(self, whole: torch.Tensor, query: torch.Tensor,
-                     scale: float) -> torch.Tensor:  # fmt: skip
+    def _attend_each(self, whole: torch.Tensor, query: torch.Tensor, scale: float) -> torch.Tensor:
         """A sparse batch: each row over its slot's keys (whole: one layer's [2, S, kv, C, d])."""
         out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-        for row, (slot, start, fed) in enumerate(zip(self._slots, self.start, self.fed,
-                                                     strict=True)):  # fmt: skip
+        for row, (slot, start, fed) in enumerate(
+            zip(self._slots, self.start, self.fed, strict=True)
+        ):
             keys = whole[0, slot.index, :, : start + fed][None]  # [1, kv, T, d]
             values = whole[1, slot.index, :, : start + fed][None]
             causal = None
             if fed > 1:
                 col = torch.arange(start + fed, device=query.device)
-                causal = (col[None, :] <= start + torch.arange(fed, device=query.device)[:, None])
+                causal = col[None, :] <= start + torch.arange(fed, device=query.device)[:, None]
                 causal = causal[None, None]  # [1, 1, f, T]
-            out[row, :fed] = attention(query[row : row + 1, :, :fed], keys, values, causal,
-                                       scale)[0]  # fmt: skip
+            out[row, :fed] = attention(query[row : row + 1, :, :fed], keys, values, causal, scale)[
+                0
+            ]
         return out
 
     def result(self, row: int) -> SequenceCache:

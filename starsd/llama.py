@@ -64,8 +64,9 @@ class LlamaShape:
 class KeyValues(Protocol):
     """Where a forward's keys and values go, and what each query attends over."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:  # fmt: skip
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """Store this layer's new k, v [B, kv, F, d]; attention of q [B, h, F, d] over each
         row's keys (its cached ones, then its feed, causal); returns [B, F, h, d]."""
         ...
@@ -84,9 +85,14 @@ class LlamaDecoder:
     rope_scale: float = 1.0  # transformers' attention_scaling of cos and sin (1 for default)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValues,
-                logits_at: torch.Tensor | None = None,
-                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KeyValues,
+        logits_at: torch.Tensor | None = None,
+        hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached forward of a ragged batch.
 
         Args:
@@ -100,38 +106,56 @@ class LlamaDecoder:
             logits [B, F, V] (or [B, 1, V] with ``logits_at``), and [B, F, H] features or None.
         """
         x = self.embed[input_ids]  # [B, F, H]
-        cos, sin = self._rotary(positions)  # [B, 1, F, d]
+        cos, sin = rotary(positions, self.inv_freq, self.embed.dtype, self.rope_scale)
         for index, layer in enumerate(self.layers):
             x = self._layer(index, layer, x, cos, sin, kv)
         out = rms_norm(x, self.norm, self.shape.eps)  # [B, F, H]
         picked = out if logits_at is None else out[torch.arange(out.shape[0]), logits_at][:, None]
         return F.linear(picked, self.lm_head).float(), (out.float() if hidden else None)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, F, d] at ``positions`` [B, F] (as transformers' LlamaRotaryEmbedding:
-        float32 angles, ``cat((freqs, freqs))``)."""
-        freqs = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # [B, F, d/2]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, F, d]
-        dtype = self.embed.dtype
-        cos, sin = angles.cos(), angles.sin()
-        if self.rope_scale != 1.0:
-            cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        return cos.to(dtype), sin.to(dtype)
-
-    def _layer(self, index: int, layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, kv: KeyValues) -> torch.Tensor:  # fmt: skip
+    def _layer(
+        self,
+        index: int,
+        layer: LlamaLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KeyValues,
+    ) -> torch.Tensor:
         """x [B, F, H] -> [B, F, H]: attention and MLP, each with its residual."""
         s = self.shape
         b, f, _ = x.shape
         qkv = F.linear(rms_norm(x, layer.input_norm, s.eps), layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.view(b, f, s.heads + 2 * s.kv_heads, s.head_dim).transpose(1, 2).split(
-            [s.heads, s.kv_heads, s.kv_heads], dim=1)  # [B, h | kv | kv, F, d]  # fmt: skip
+        q, k, v = (
+            qkv.view(b, f, s.heads + 2 * s.kv_heads, s.head_dim)
+            .transpose(1, 2)
+            .split([s.heads, s.kv_heads, s.kv_heads], dim=1)
+        )  # [B, h | kv | kv, F, d]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         attended = kv.attend(index, q, k, v, s.scale).reshape(b, f, s.heads * s.head_dim)
         x = x + F.linear(attended, layer.o, layer.o_bias)
         gate, up = F.linear(rms_norm(x, layer.post_norm, s.eps), layer.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, layer.down)
+
+
+def rotary(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, F, d] at ``positions`` [B, F] (as transformers' LlamaRotaryEmbedding:
+    float32 angles from ``inv_freq`` [d / 2], ``cat((freqs, freqs))``, times ``scale``)."""
+    freqs = positions.to(inv_freq.device).float()[..., None] * inv_freq  # [B, F, d/2]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, F, d]
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Llama's default RoPE frequencies [d / 2] float32 (transformers' default rope type)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+    return 1.0 / (theta ** (exponents / head_dim))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -162,16 +186,18 @@ class PaddedKeyValues:
         self._allowed: torch.Tensor | None = None
         self._built = False
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:  # fmt: skip
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """See :meth:`KeyValues.attend`."""
         first = self.buffers[layer].filled
         keys, values = self.buffers[layer].append(k, v)  # [B, kv, T, d]
         allowed = self._mask(first, q.shape[2], keys.shape[2], q.device)
         return attention(q, keys, values, allowed, scale)
 
-    def _mask(self, first: int, fed: int, columns: int,
-              device: torch.device) -> torch.Tensor | None:  # fmt: skip
+    def _mask(
+        self, first: int, fed: int, columns: int, device: torch.device
+    ) -> torch.Tensor | None:
         """[B | 1, 1, F, T] bool (True: attend), or None when every query sees every key."""
         if not self._built:
             self._built = True
@@ -191,8 +217,13 @@ class PaddedKeyValues:
         return self._allowed
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              allowed: torch.Tensor | None, scale: float) -> torch.Tensor:  # fmt: skip
+def attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
     """q [B, h, F, d] over keys / values [B, kv, T, d] where ``allowed`` [B | 1, 1, F, T]
     (None: everywhere) -> [B, F, h, d].
 

@@ -27,8 +27,9 @@ class Throttle:
     Not thread-safe: each owner keeps its own (the hub's under its lock).
     """
 
-    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval_s = interval_s
         self.clock = clock
         self._next: dict[object, float] = {}

@@ -10,7 +10,6 @@ import functools
 import hashlib
 import json
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,7 @@ from typing import Any
 import torch
 
 from starsd.batch import LayerBuffer
-from starsd.kvpool import PooledRows
-from starsd.llama import LlamaDecoder, LlamaLayer, LlamaShape, PaddedKeyValues
+from starsd.llama import KeyValues, LlamaDecoder, LlamaLayer, LlamaShape, PaddedKeyValues
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +25,16 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # --forward: "auto" runs a plain Llama through starsd.llama, "transformers" always transformers'
 FORWARDS = ("auto", "transformers")
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TARGET_DIR = _REPO_ROOT / "models" / "starsd-target"
-DEFAULT_DRAFT_DIR = _REPO_ROOT / "models" / "starsd-draft"
+_MODELS = _REPO_ROOT / "models"
+# (target, draft) directories by name. smollm2: SmolLM2-135M-Instruct (made by `make install`)
+# and the draft trained for it; toy: the committed 3.5M/0.6M pair the fast tests run on.
+PAIRS = {
+    "smollm2": (_MODELS / "smollm2-135m-instruct", _MODELS / "smollm2-draft"),
+    "toy": (_MODELS / "starsd-target", _MODELS / "starsd-draft"),
+}
+DEFAULT_PAIR = "smollm2"
+DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR = PAIRS[DEFAULT_PAIR]
+TOY_TARGET_DIR, TOY_DRAFT_DIR = PAIRS["toy"]
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,9 @@ class LoadedModel:
     decoder: LlamaDecoder | None = None
 
 
-def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32",
-                   lean: bool = True) -> LoadedModel:  # fmt: skip
+def load_causal_lm(
+    path: str | Path, device: str = "cpu", dtype: str = "float32", lean: bool = True
+) -> LoadedModel:
     """Load a causal LM and its tokenizer from a directory (or hub id) for inference.
 
     ``lean``: batched forwards of a plain Llama run through :mod:`starsd.llama` (its q/k/v and
@@ -59,6 +66,7 @@ def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32"
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    _check_made(Path(str(path)))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
     model.to(device)  # type: ignore[arg-type]
@@ -76,11 +84,25 @@ def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32"
     )
     log.info(
         "loaded %s: %.2fM params, vocab %d, %s on %s, tokenizer %s, %s forward",
-        loaded.name, sum(p.numel() for p in model.parameters()) / 1e6, loaded.vocab_size,
-        dtype, device, loaded.tokenizer_fingerprint,
+        loaded.name,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        loaded.vocab_size,
+        dtype,
+        device,
+        loaded.tokenizer_fingerprint,
         "plain-torch Llama" if loaded.decoder is not None else "transformers",
-    )  # fmt: skip
+    )
     return loaded
+
+
+def _check_made(path: Path) -> None:
+    """FileNotFoundError naming the set-up step when the converted default target is missing
+    (every other model of the project is committed)."""
+    if path.resolve() == DEFAULT_TARGET_DIR and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path}: not made yet; `make install` converts and checks it "
+            "(or pass --pair toy for the committed toy pair)"
+        )
 
 
 def llama_decoder(model: Any) -> LlamaDecoder | None:
@@ -95,19 +117,26 @@ def llama_decoder(model: Any) -> LlamaDecoder | None:
         config.hidden_act == "silu"
         and not getattr(config, "mlp_bias", False)
         and getattr(config, "pretraining_tp", 1) == 1
-        and rope is not None and getattr(rope, "rope_type", "default") == "default"
-    )  # fmt: skip
+        and rope is not None
+        and getattr(rope, "rope_type", "default") == "default"
+    )
     if not supported:
         return None
-    shape = LlamaShape(config.num_attention_heads, config.num_key_value_heads,
-                       int(rope.inv_freq.shape[0] * 2), float(config.rms_norm_eps))  # fmt: skip
+    shape = LlamaShape(
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        int(rope.inv_freq.shape[0] * 2),
+        float(config.rms_norm_eps),
+    )
     return LlamaDecoder(
-        shape=shape, embed=model.model.embed_tokens.weight.detach(),
+        shape=shape,
+        embed=model.model.embed_tokens.weight.detach(),
         layers=tuple(_llama_layer(layer) for layer in model.model.layers),
-        norm=model.model.norm.weight.detach(), lm_head=model.lm_head.weight.detach(),
+        norm=model.model.norm.weight.detach(),
+        lm_head=model.lm_head.weight.detach(),
         inv_freq=rope.inv_freq.detach().float(),
         rope_scale=float(getattr(rope, "attention_scaling", 1.0)),
-    )  # fmt: skip
+    )
 
 
 def _llama_layer(layer: Any) -> LlamaLayer:
@@ -118,12 +147,13 @@ def _llama_layer(layer: Any) -> LlamaLayer:
     return LlamaLayer(
         input_norm=layer.input_layernorm.weight.detach(),
         qkv=_stack([attn.q_proj, attn.k_proj, attn.v_proj], "weight"),
-        qkv_bias=qkv_bias, o=attn.o_proj.weight.detach(),
+        qkv_bias=qkv_bias,
+        o=attn.o_proj.weight.detach(),
         o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
         post_norm=layer.post_attention_layernorm.weight.detach(),
         gate_up=_stack([mlp.gate_proj, mlp.up_proj], "weight"),
         down=mlp.down_proj.weight.detach(),
-    )  # fmt: skip
+    )
 
 
 def _stack(linears: list[Any], name: str) -> torch.Tensor:
@@ -207,74 +237,6 @@ def _run(loaded: LoadedModel, token_ids: list[int], cache: Any, hidden: bool) ->
     return loaded.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
 
 
-DECODE_ATTENTION = "starsd_decode"
-
-
-def use_decode_attention(loaded: LoadedModel) -> bool:
-    """Attend one query per row with two batched matmuls on CPU; everything else stays sdpa.
-
-    torch's CPU sdpa kernel pays ~2.5 us per (row, head) for small heads: one decode step of 32
-    rows x 4 heads of 32 over 75 keys took 300-350 us against 165-185 us for the two matmuls
-    (same process, one thread), and S(32) of the hub's draft is a third attention. Returns
-    whether the model was switched (only an sdpa model on CPU is).
-    """
-    if loaded.device.type != "cpu" or loaded.model.config._attn_implementation != "sdpa":
-        return False
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(DECODE_ATTENTION, _decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, _decode_mask)  # the masks sdpa gets
-    loaded.model.set_attn_implementation(DECODE_ATTENTION)
-    return True
-
-
-# The PooledRows of the forward running on this thread (forward_rows), if any: the attention and
-# mask functions below read it (transformers gives them no handle on the cache).
-_ROWS = threading.local()
-
-
-def _rows_now() -> PooledRows | None:
-    return getattr(_ROWS, "batch", None)
-
-
-def _decode_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """sdpa's masks, or none at all under forward_rows (each row builds its own)."""
-    from transformers.masking_utils import sdpa_mask
-
-    return None if _rows_now() is not None else sdpa_mask(*args, **kwargs)
-
-
-def _decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                      scaling: float | None = None,
-                      **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """transformers' attention interface: query [B, h, 1, d], key/value [B, kv_h, T, d], mask
-    [B, 1, 1, >= T] (bool: True attends; float: added) or None -> ([B, 1, h, d], None). Under
-    :func:`forward_rows` every row attends over its own cache instead (key/value unused)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    rows = _rows_now()
-    if rows is not None:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return rows.attend_stored(module.layer_idx, query, scale), None
-    special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
-    if query.shape[2] != 1 or special:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)  # fmt: skip
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: each key/value head serves ``groups`` heads
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [B, h, 1, T]
-    if attention_mask is not None:
-        mask = attention_mask[..., : key.shape[-2]]
-        is_bool = mask.dtype == torch.bool
-        scores = scores.masked_fill(~mask, float("-inf")) if is_bool else scores + mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None  # [B, 1, h, d]
-
-
 def kv_shapes(loaded: LoadedModel) -> list[tuple[int, int]]:
     """(kv heads, head dim) of each layer's cache, read from a one-token probe forward (robust
     to how each architecture names its shapes)."""
@@ -287,37 +249,49 @@ def forward_batch(
     loaded: LoadedModel,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    key_mask: torch.Tensor | None,
-    buffers: list[LayerBuffer],
+    kv: KeyValues,
     hidden: bool = False,
     logits_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward of a ragged batch (see :mod:`starsd.batch`) over preallocated cache buffers.
+    """One forward of a ragged batch: every batched forward of the hub and the target.
 
     Args:
-        input_ids: [B, n] long; positions: [B, n] position ids; key_mask: [B, T] with
-            T = filled columns + n (1: a real key), None without padding; buffers: one per
-            layer, appended in place.
+        input_ids: [B, n] long (each row's feed, then padding); positions: [B, n] position ids.
+        kv: where the new keys go and what each row attends over: :class:`PaddedKeyValues`
+            (gathered buffers and their key mask, :mod:`starsd.batch`) or
+            :class:`starsd.kvpool.PooledRows` (every row in its pool slot; a plain Llama only).
         hidden: also return the features EAGLE drafts from (see :func:`forward_with_features`).
         logits_at: [B] the one feed column per row whose logits are wanted; None: all.
 
     Returns:
         logits [B, n, V] ([B, 1, V] with ``logits_at``) float32 on CPU, and features [B, n, H]
         when ``hidden``.
+
+    A plain Llama runs :mod:`starsd.llama` (one attention implementation, StarSD's); any other
+    architecture runs transformers' forward with its own attention over the padded buffers.
     """
     if loaded.decoder is not None:
         logits, features = loaded.decoder.forward(
-            input_ids.to(loaded.device), positions, PaddedKeyValues(buffers, key_mask),
-            None if logits_at is None else logits_at.to(loaded.device), hidden)  # fmt: skip
+            input_ids.to(loaded.device),
+            positions,
+            kv,
+            None if logits_at is None else logits_at.to(loaded.device),
+            hidden,
+        )
         return logits.cpu(), None if features is None else features.cpu()
-    cache = _buffer_cache(buffers)
+    if not isinstance(kv, PaddedKeyValues):
+        raise ValueError(f"{loaded.name} runs transformers' attention: it needs padded buffers")
     # Without padding the mask says nothing: leave it out, so attention takes its causal path.
-    mask = None if key_mask is None else key_mask.to(loaded.device)
+    mask = None if kv.key_mask is None else kv.key_mask.to(loaded.device)
     with torch.inference_mode():
-        out = loaded.model(input_ids=input_ids.to(loaded.device), cache=cache, use_cache=True,
-                           attention_mask=mask,
-                           position_ids=positions.to(loaded.device),
-                           output_hidden_states=hidden)  # fmt: skip
+        out = loaded.model(
+            input_ids=input_ids.to(loaded.device),
+            cache=_buffer_cache(list(kv.buffers)),
+            use_cache=True,
+            attention_mask=mask,
+            position_ids=positions.to(loaded.device),
+            output_hidden_states=hidden,
+        )
     features = out.hidden_states[-1].float().cpu() if hidden else None
     logits = out.logits if logits_at is None else _pick(out.logits, logits_at)
     return logits.float().cpu(), features
@@ -350,77 +324,16 @@ def forward_explicit(
     cache: Any = DynamicCache(config=model.config)
     for layer, (keys, values) in enumerate(past):
         cache.update(keys, values, layer)
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                cache=cache, use_cache=True, output_hidden_states=True)  # fmt: skip
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        cache=cache,
+        use_cache=True,
+        output_hidden_states=True,
+    )
     present = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     return (out.logits, out.hidden_states[-1], *present)
-
-
-def uses_row_attention(loaded: LoadedModel) -> bool:
-    """Whether :func:`forward_rows` can run this model (its attention is ours: the plain-torch
-    Llama, or transformers' with :func:`use_decode_attention`)."""
-    ours = loaded.model.config._attn_implementation == DECODE_ATTENTION
-    return loaded.decoder is not None or bool(ours)
-
-
-def forward_rows(
-    loaded: LoadedModel, batch: PooledRows, input_ids: torch.Tensor, positions: torch.Tensor,
-    hidden: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """One forward in which every row attends over its own cache (:class:`PooledRows`).
-
-    Args:
-        input_ids: [B, F] long, each row's feed then padding; positions: [B, F] position ids;
-            hidden: also return the features EAGLE drafts from.
-
-    Returns:
-        logits [B, F, V] float32 on CPU, and features [B, F, H] when ``hidden``.
-    """
-    if loaded.decoder is not None:
-        logits, features = loaded.decoder.forward(input_ids.to(loaded.device), positions, batch,
-                                                  hidden=hidden)  # fmt: skip
-        return logits.cpu(), None if features is None else features.cpu()
-    cache = _rows_cache(batch)
-    _ROWS.batch = batch
-    try:
-        with torch.inference_mode():
-            out = loaded.model(input_ids=input_ids.to(loaded.device), cache=cache,
-                               use_cache=True, position_ids=positions.to(loaded.device),
-                               output_hidden_states=hidden)  # fmt: skip
-    finally:
-        _ROWS.batch = None
-    features = out.hidden_states[-1].float().cpu() if hidden else None
-    return out.logits.float().cpu(), features
-
-
-def _rows_cache(batch: PooledRows) -> Any:
-    """A transformers cache whose layers write each row's new keys into its own store."""
-    from transformers.cache_utils import Cache
-
-    layer = _row_layer_class()
-    return Cache(layers=[layer(batch, i) for i in range(batch.layers)])
-
-
-@functools.cache
-def _row_layer_class() -> type:
-    """transformers' DynamicLayer writing into a :class:`PooledRows` (see _buffered_layer_class)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class RowLayer(DynamicLayer):
-        def __init__(self, batch: PooledRows, index: int) -> None:
-            super().__init__()
-            self.batch, self.index = batch, index
-            self.is_initialized = True
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-            self.batch.write(self.index, key_states, value_states)
-            return key_states, value_states  # (the attention reads the rows' stores instead)
-
-        def get_seq_length(self) -> int:
-            return max(self.batch.start)
-
-    return RowLayer
 
 
 def _buffer_cache(buffers: list[LayerBuffer]) -> Any:
@@ -446,8 +359,9 @@ def _buffered_layer_class() -> type:
             self.is_initialized = True
             self.device = buffer.keys.device
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             self.keys, self.values = self.buffer.append(key_states, value_states)
             return self.keys, self.values
 
@@ -478,8 +392,12 @@ def load_tokenizer_info(path: str | Path) -> TokenizerInfo:
 
     config = AutoConfig.from_pretrained(str(path))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return TokenizerInfo(Path(str(path)).name, int(config.vocab_size),
-                         tokenizer_fingerprint(tokenizer), _max_positions(config))  # fmt: skip
+    return TokenizerInfo(
+        Path(str(path)).name,
+        int(config.vocab_size),
+        tokenizer_fingerprint(tokenizer),
+        _max_positions(config),
+    )
 
 
 def encode_text(loaded: LoadedModel, text: str) -> list[int]:
@@ -505,7 +423,8 @@ def chat_prompt_ids(loaded: LoadedModel, messages: list[dict[str, str]]) -> list
         raise ValueError(f"model {loaded.name} has no chat template")
     try:
         rendered = loaded.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True)  # fmt: skip
+            messages, add_generation_prompt=True, tokenize=True
+        )
     except Exception as exc:  # a jinja TemplateError (e.g. raise_exception on a role)
         raise ValueError(f"the chat template refused the messages: {exc}") from None
     ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered

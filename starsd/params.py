@@ -59,8 +59,9 @@ class SamplingParams:
         (see the class docstring); comparisons are written so that NaN fails them."""
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
         if not (_is_real(t) and (t == 0.0 or TEMPERATURE_MIN <= t <= TEMPERATURE_MAX)):
-            _refuse("temperature", t,
-                    f"0 (greedy) or in [{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}]")
+            _refuse(
+                "temperature", t, f"0 (greedy) or in [{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}]"
+            )
         if not (_is_int(k) and 0 <= k <= TOP_K_MAX):
             _refuse("top_k", k, f"an integer in [0, {TOP_K_MAX}] (0 = off)")
         if not (_is_real(p) and 0.0 < p <= 1.0):
@@ -78,5 +79,6 @@ def _is_real(value: object) -> bool:
 
 
 def _refuse(name: str, value: object, valid: str) -> NoReturn:
-    raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"{name} {value!r} is out of range: "
-                        f"must be {valid}")  # fmt: skip
+    raise ProtocolError(
+        ErrorCode.INVALID_ARGUMENT, f"{name} {value!r} is out of range: must be {valid}"
+    )

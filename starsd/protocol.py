@@ -16,8 +16,8 @@ is left out while it holds its default, so a peer that predates the field still 
 message that does not use it (decoders refuse unknown keys). The tables that encode and decode
 read are derived from them once, at import.
 
-This module imports only the standard library, msgpack, numpy and its two leaves (``starsd.errors``,
-``starsd.params``), so any tool can speak it.
+This module imports only the standard library, msgpack, numpy and its three leaves
+(``starsd.errors``, ``starsd.params``, ``starsd.limits``), so any tool can speak it.
 """
 
 from __future__ import annotations
@@ -35,20 +35,20 @@ import numpy as np
 
 # (the wire's names for these: protocol.ErrorCode, protocol.ProtocolError, protocol.SamplingParams)
 from starsd.errors import ErrorCode, ProtocolError
+from starsd.limits import (  # the wire's size limits (their one home: starsd.limits)
+    MAX_ARRAY_ELEMENTS,
+    MAX_FRAME_BYTES,
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+)
 from starsd.params import SamplingParams
 
 PROTOCOL_VERSION = 2
 # a peer silent for this many heartbeat intervals is presumed dead; hub lease, client and ZMTP
 # heartbeat timeout all use it
 LIVENESS_INTERVALS = 3
-MAX_APPENDED = 1024  # tokens a target may commit between two rounds (one DRAFT)
-MAX_PUSH = 64  # pushed branches per round a target may ask for (Open.push)
 EPOCH_BYTES = 8  # random per hub process; every hub reply carries it
 TAG_BYTES = 16  # 128 random bits, minted by the hub
-MAX_HEADER_BYTES = 64 * 1024
-MAX_FRAME_BYTES = 16 * 1024 * 1024  # one array frame (a dense [gamma, V] float32 fits easily)
-MAX_FRAMES = 8
-MAX_ARRAY_ELEMENTS = MAX_FRAME_BYTES
 ALLOWED_DTYPES = frozenset({"int32", "int64", "float16", "float32"})
 _IDS = frozenset({"int32", "int64"})
 _FLOATS = frozenset({"float16", "float32"})
@@ -276,22 +276,28 @@ class Stats:
     accepted: int
     queue_wait_s: float
     epoch: bytes = b""
-    batch_sizes: np.ndarray | None = field(default=None, repr=False,
-                                           metadata=_array(_INT32, 1, "curve"))  # fmt: skip
-    batch_counts: np.ndarray | None = field(default=None, repr=False,
-                                            metadata=_array(_INT64, 1, "curve"))  # fmt: skip
+    batch_sizes: np.ndarray | None = field(
+        default=None, repr=False, metadata=_array(_INT32, 1, "curve")
+    )
+    batch_counts: np.ndarray | None = field(
+        default=None, repr=False, metadata=_array(_INT64, 1, "curve")
+    )
     # float32, not float64: the wire's dtypes (ALLOWED_DTYPES) have no float64. The hub sums in
     # double and rounds once here, 24 bits of mantissa: a relative error under 1e-7 of a total,
     # far below the run-to-run noise of S(B).
-    batch_busy_s: np.ndarray | None = field(default=None, repr=False,
-                                            metadata=_array(_FLOAT32, 1, "curve"))  # fmt: skip
+    batch_busy_s: np.ndarray | None = field(
+        default=None, repr=False, metadata=_array(_FLOAT32, 1, "curve")
+    )
 
     def service_totals(self) -> list[tuple[int, int, float]]:
         """The curve's rows: (batch size, batches, summed wall seconds); [] without a curve."""
         if self.batch_sizes is None or self.batch_counts is None or self.batch_busy_s is None:
             return []
-        columns = (self.batch_sizes.tolist(), self.batch_counts.tolist(),
-                   self.batch_busy_s.tolist())  # fmt: skip
+        columns = (
+            self.batch_sizes.tolist(),
+            self.batch_counts.tolist(),
+            self.batch_busy_s.tolist(),
+        )
         return list(zip(*columns, strict=True))
 
 
@@ -307,14 +313,26 @@ def curve_arrays(totals: Sequence[tuple[int, int, float]]) -> CurveArrays:
     """Stats' curve fields from (batch size, batches, summed seconds) rows, as
     ``HubStats.service_totals()`` gives them: ``Stats(..., **curve_arrays(rows))``."""
     sizes, counts, seconds = zip(*totals, strict=True) if totals else ((), (), ())
-    return CurveArrays(batch_sizes=np.array(sizes, np.int32),
-                       batch_counts=np.array(counts, np.int64),
-                       batch_busy_s=np.array(seconds, np.float32))  # fmt: skip
+    return CurveArrays(
+        batch_sizes=np.array(sizes, np.int32),
+        batch_counts=np.array(counts, np.int64),
+        batch_busy_s=np.array(seconds, np.float32),
+    )
 
 
 Message: TypeAlias = (
-    Hello | Welcome | Open | Opened | Draft | Proposal | Close | Ping | Pong | Error
-    | StatsRequest | Stats
+    Hello
+    | Welcome
+    | Open
+    | Opened
+    | Draft
+    | Proposal
+    | Close
+    | Ping
+    | Pong
+    | Error
+    | StatsRequest
+    | Stats
 )
 MESSAGE_TYPES: dict[int, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
@@ -329,8 +347,10 @@ def compatibility_problems(welcome: Welcome, hello: Hello) -> str:
         problems.append(f"tokenizer differs (hub {welcome.tokenizer}, target {hello.tokenizer})")
     if welcome.feature_width and hello.feature_width != welcome.feature_width:
         offered = f"width {hello.feature_width}" if hello.feature_width else "none"
-        problems.append(f"the hub drafts with {welcome.draft_kind} and needs target features of "
-                        f"width {welcome.feature_width}; the target offers {offered}")
+        problems.append(
+            f"the hub drafts with {welcome.draft_kind} and needs target features of "
+            f"width {welcome.feature_width}; the target offers {offered}"
+        )
     return "; ".join(problems)
 
 
@@ -341,10 +361,13 @@ def compatibility_problems(welcome: Welcome, hello: Hello) -> str:
 # arrive as an int, as packers in other languages send integral floats; a nested dataclass
 # (SamplingParams) arrives as a map.
 _WIRE_TYPES: dict[Any, frozenset[type]] = {
-    int: frozenset({int}), float: frozenset({float, int}), str: frozenset({str}),
-    bytes: frozenset({bytes}), type(None): frozenset({type(None)}),
+    int: frozenset({int}),
+    float: frozenset({float, int}),
+    str: frozenset({str}),
+    bytes: frozenset({bytes}),
+    type(None): frozenset({type(None)}),
     SamplingParams: frozenset({dict}),
-}  # fmt: skip
+}
 _DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # numpy's dtype.name is slow
 
@@ -382,8 +405,11 @@ def _layout(cls: type) -> _Layout:
             schema[f.name] = frozenset().union(*(_WIRE_TYPES[part] for part in parts))
         else:  # refuse at import what decode could not check, rather than skip it
             raise TypeError(f"{cls.__name__}.{f.name}: no wire form for {hints[f.name]}")
-    defaulted = frozenset(f.name for f in dataclasses.fields(cls) if f.default is not MISSING
-                          or f.default_factory is not MISSING)  # fmt: skip
+    defaulted = frozenset(
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is not MISSING or f.default_factory is not MISSING
+    )
     return _Layout(
         name=cls.__name__,
         header=bytes((PROTOCOL_VERSION, getattr(cls, "TYPE", 0))),  # SamplingParams: unused
@@ -480,9 +506,15 @@ def _header_type(header: memoryview) -> type:
 def _unpack_body(raw: memoryview) -> dict[str, Any]:
     try:
         body = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, max_str_len=_MAX_STR, max_bin_len=_MAX_BIN,
-            max_array_len=_MAX_ARRAY, max_map_len=_MAX_MAP, max_ext_len=0,
-        )  # fmt: skip
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=_MAX_STR,
+            max_bin_len=_MAX_BIN,
+            max_array_len=_MAX_ARRAY,
+            max_map_len=_MAX_MAP,
+            max_ext_len=0,
+        )
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"body is not valid msgpack: {exc}") from None
     if not isinstance(body, dict):
@@ -501,8 +533,10 @@ def _check_fields(layout: _Layout, body: dict[str, Any]) -> dict[str, Any]:
         if name in body:
             value = body[name]
             if type(value) not in allowed:
-                raise ProtocolError(ErrorCode.MALFORMED, f"{layout.name}.{name}: "
-                                    f"{type(value).__name__} is not the expected type")
+                raise ProtocolError(
+                    ErrorCode.MALFORMED,
+                    f"{layout.name}.{name}: {type(value).__name__} is not the expected type",
+                )
             if type(value) is int and not -(1 << 63) <= value < 1 << 63:
                 raise ProtocolError(ErrorCode.MALFORMED, f"{layout.name}.{name}: out of range")
         elif name not in layout.defaulted:
@@ -542,8 +576,9 @@ def _check_group(where: str, group: tuple[str, ...], arrays: dict[str, np.ndarra
     """Columns of one table: all or none, and as long as each other."""
     present = [name for name in group if name in arrays]
     if present and len(present) != len(group):
-        raise ProtocolError(ErrorCode.MALFORMED, f"{where}: arrays {list(group)} come together, "
-                            f"got only {present}")  # fmt: skip
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"{where}: arrays {list(group)} come together, got only {present}"
+        )
     lengths = {name: arrays[name].shape[0] for name in present}
     if len(set(lengths.values())) > 1:
         raise ProtocolError(ErrorCode.MALFORMED, f"{where}: arrays of unequal lengths {lengths}")

@@ -9,6 +9,11 @@ Verification is Leviathan et al. / Chen et al. speculative sampling: draft token
 with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the replacement is drawn from
 the residual norm(max(p_i - q_i, 0)); when all gamma are accepted a bonus token is drawn from
 p_{gamma+1}. The emitted tokens are then distributed exactly as sampling from p alone.
+
+That guarantee holds only if each d_i was drawn from the q row sent with it, so q is checked
+before it is used (:func:`q_problem`): finite, in [0, 1], each row summing to 1 and positive at
+its draft token. A q that fails any of these cannot be the law a token was drawn from; one that
+passes but lies (the tokens drawn from another law) is beyond any check of a single proposal.
 """
 
 from __future__ import annotations
@@ -93,6 +98,28 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
 
 
+Q_SUM_TOLERANCE = 1e-3  # |sum(q row) - 1|: float16 rounding of every entry stays within it
+
+
+def q_problem(draft_tokens: torch.Tensor, q_probs: torch.Tensor) -> str | None:
+    """Why ``q_probs`` [gamma, V] cannot be the law ``draft_tokens`` [gamma] were drawn from
+    (None if it can): a non-finite entry, an entry outside [0, 1], a row that does not sum to 1
+    (within ``Q_SUM_TOLERANCE``), or zero probability at the row's draft token."""
+    q = q_probs.float()
+    if not bool(torch.isfinite(q).all()):
+        return "q has a NaN or infinite entry"
+    if bool((q < 0).any()) or bool((q > 1 + Q_SUM_TOLERANCE).any()):
+        return f"q has an entry outside [0, 1] (min {float(q.min()):g}, max {float(q.max()):g})"
+    sums = q.sum(dim=-1)  # [gamma]
+    worst = int((sums - 1).abs().argmax()) if sums.numel() else 0
+    if sums.numel() and abs(float(sums[worst]) - 1) > Q_SUM_TOLERANCE:
+        return f"q row {worst} sums to {float(sums[worst]):.6g}, not 1"
+    at_draft = q.gather(-1, draft_tokens.long().unsqueeze(-1)).squeeze(-1)  # [gamma]
+    if bool((at_draft <= 0).any()):
+        return f"q is 0 at draft token {int((at_draft <= 0).nonzero()[0, 0])}"
+    return None
+
+
 def rejection_sample(
     draft_tokens: torch.Tensor,
     q_probs: torch.Tensor,
@@ -104,8 +131,13 @@ def rejection_sample(
     draft_tokens [B, gamma] int64, q_probs [B, gamma, V], p_probs [B, gamma + 1, V].
     Returns (accepted [B] int64 in 0..gamma, next_token [B] int64): the first ``accepted[b]``
     draft tokens are kept and ``next_token[b]`` follows them (residual sample or bonus).
+    Raises ValueError for a q row that :func:`q_problem` refuses.
     """
     batch, gamma = draft_tokens.shape
+    for b in range(batch):
+        problem = q_problem(draft_tokens[b], q_probs[b])
+        if problem is not None:
+            raise ValueError(problem)
     idx = draft_tokens.unsqueeze(-1)  # [B, gamma, 1]
     p_d = p_probs[:, :gamma].gather(-1, idx).squeeze(-1)  # [B, gamma]
     q_d = q_probs.gather(-1, idx).squeeze(-1)  # [B, gamma]
@@ -122,9 +154,7 @@ def rejection_sample(
     return accepted, sample(final, generator)
 
 
-def dense_q(
-    q_probs: torch.Tensor, q_support: torch.Tensor | None, vocab_size: int
-) -> torch.Tensor:
+def dense_q(q_probs: torch.Tensor, q_support: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """Expand q sent as (support [gamma, K], probs [gamma, K]) to dense [gamma, V] float32."""
     if q_support is None:
         return q_probs.float()

@@ -16,13 +16,9 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from starsd import curve_client, protocol
+from starsd import curve_client, limits, protocol
 
-# A frame larger than this makes libzmq drop the connection before any byte reaches us; frames
-# between protocol.MAX_FRAME_BYTES and this get a TOO_LARGE error reply instead.
-SOCKET_MAX_MSG_BYTES = 4 * protocol.MAX_FRAME_BYTES
-HWM = 10_000
-HEARTBEAT_MS = 1000  # ZMTP heartbeat: a silent connection is closed after 3 intervals
+HEARTBEAT_MS = 1000  # ZMTP heartbeat, where one is asked for: closed after 3 silent intervals
 T = TypeVar("T")
 
 
@@ -32,16 +28,24 @@ def new_context() -> zmq.asyncio.Context:
 
 
 def dealer(
-    ctx: zmq.asyncio.Context, endpoint: str, curve: curve_client.CurveClientConfig | None = None,
-    heartbeat_ms: int = HEARTBEAT_MS,
-) -> tuple[zmq.asyncio.Socket, curve_client.HandshakeWatch | None]:  # fmt: skip
+    ctx: zmq.asyncio.Context,
+    endpoint: str,
+    curve: curve_client.CurveClientConfig | None = None,
+    heartbeat_ms: int = 0,
+    max_frame_bytes: int = limits.SOCKET_MAX_MSG_BYTES,
+) -> tuple[zmq.asyncio.Socket, curve_client.HandshakeWatch | None]:
     """A target's DEALER connected to ``endpoint``; the hub assigns its routing id.
 
-    With ``curve``, also returns a watch on the handshake (attached before connecting): await
-    ``watch.wait()`` so a rejected key fails loudly instead of hanging.
+    No ZMTP heartbeats by default: libzmq 4.3.5 aborts the process
+    (``_input_stopped``, stream_engine_base.cpp:396) when a heartbeat times out a connection
+    whose input is stopped at the high-water mark, which a hub that floods can arrange at will
+    (libzmq #3937); the client's own PING / PONG tells a dead hub. With ``curve``, also returns
+    a watch on the handshake (attached before connecting): await ``watch.wait()`` so a rejected
+    key fails loudly instead of hanging.
     """
     sock = ctx.socket(zmq.DEALER)
-    common_options(sock, heartbeat_ms)
+    common_options(sock, heartbeat_ms, max_frame_bytes)
+    sock.setsockopt(zmq.RCVHWM, limits.TARGET_RCVHWM)
     watch = None
     if curve is not None:
         curve_client.secure_client(sock, curve)
@@ -50,13 +54,17 @@ def dealer(
     return sock, watch
 
 
-def common_options(sock: zmq.Socket, heartbeat_ms: int = HEARTBEAT_MS) -> None:
+def common_options(
+    sock: zmq.Socket,
+    heartbeat_ms: int = HEARTBEAT_MS,
+    max_frame_bytes: int = limits.SOCKET_MAX_MSG_BYTES,
+) -> None:
     """The options every StarSD socket gets, DEALER and ROUTER alike: no linger, the frame
     size limit, the high-water marks and (if ``heartbeat_ms`` > 0) ZMTP heartbeats."""
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_MSG_BYTES)
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.SNDHWM, limits.HWM)
+    sock.setsockopt(zmq.RCVHWM, limits.HWM)
     if heartbeat_ms > 0:  # ZMTP PING/PONG: closes connections to dead or hung peers
         sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * heartbeat_ms)
@@ -71,6 +79,16 @@ def bound_endpoint(sock: zmq.Socket) -> str:
 async def send(sock: zmq.asyncio.Socket, msg: protocol.Message) -> None:
     """Send ``msg`` on a DEALER (waits only if the HWM is reached)."""
     await sock.send_multipart(protocol.encode(msg), copy=False)
+
+
+def send_nowait(sock: zmq.asyncio.Socket, msg: protocol.Message) -> bool:
+    """Send ``msg`` on a DEALER without waiting; False (nothing sent) if the peer's queue is full
+    (for callbacks that cannot await, and peers that do not read)."""
+    try:
+        sock.send_multipart(protocol.encode(msg), flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    return True
 
 
 async def recv(sock: zmq.asyncio.Socket) -> protocol.Message:

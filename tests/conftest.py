@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np
 import procs
@@ -66,8 +64,9 @@ class RunningHub:
 
 @pytest.fixture
 async def running_hub(llama_pair: tuple[Path, Path]) -> AsyncIterator[RunningHub]:
-    config = hub_module.HubConfig(model=str(llama_pair[1]), bind="tcp://127.0.0.1:*",
-                                  stats_interval=3600)  # fmt: skip
+    config = hub_module.HubConfig(
+        model=str(llama_pair[1]), bind="tcp://127.0.0.1:*", stats_interval=3600
+    )
     hub = hub_module.build_hub(config)
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))

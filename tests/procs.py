@@ -28,6 +28,8 @@ def kill_leftovers() -> None:
             proc.kill()
             proc.wait(10)
     STARTED.clear()
+
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "STARSD_LOG": "INFO"}
 
 
@@ -41,15 +43,29 @@ def free_port() -> int:
 class HubProcess:
     """``python -m starsd.hub`` on loopback, its endpoint read from its log."""
 
-    def __init__(self, draft_dir: Path, log_path: Path, *extra: str,
-                 bind: str = "tcp://127.0.0.1:*") -> None:  # fmt: skip
+    def __init__(
+        self, draft_dir: Path, log_path: Path, *extra: str, bind: str = "tcp://127.0.0.1:*"
+    ) -> None:
         self.log_path = log_path
         self.log = log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "starsd.hub", "--model", str(draft_dir), "--bind", bind,
-             "--stats-interval", "1", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "starsd.hub",
+                "--model",
+                str(draft_dir),
+                "--bind",
+                bind,
+                "--stats-interval",
+                "1",
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            cwd=REPO,
+        )
         STARTED.append(self.proc)
         self.endpoint = wait_for(log_path, r"hub listening on (tcp://\S+)", self.proc)
 
@@ -69,18 +85,27 @@ class HubProcess:
 class TargetProcess:
     """``python -m edge.target`` over a JSONL of prompts, logging to a file."""
 
-    def __init__(self, endpoint: str, target_dir: Path, prompts: Path, out: Path,
-                 *extra: str, max_new_tokens: int = 24) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        target_dir: Path,
+        prompts: Path,
+        out: Path,
+        *extra: str,
+        max_new_tokens: int = 24,
+    ) -> None:
         self.out = out
         self.log_path = out.with_suffix(".log")
-        self.cmd = target_cmd(endpoint, target_dir, prompts, out, "--max-new-tokens",
-                              str(max_new_tokens), *extra)  # fmt: skip
+        self.cmd = target_cmd(
+            endpoint, target_dir, prompts, out, "--max-new-tokens", str(max_new_tokens), *extra
+        )
         self.start()
 
     def start(self) -> None:
         with self.log_path.open("a") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=ENV, cwd=REPO)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO
+            )
         STARTED.append(self.proc)
 
     def text(self) -> str:
@@ -93,13 +118,26 @@ class TargetProcess:
 
 def target_cmd(endpoint: str, target_dir: Path, prompts: Path, out: Path, *extra: str) -> list:
     return [
-        sys.executable, "-m", "edge.target", "--hub", endpoint, "--model", str(target_dir),
-        "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "24", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "edge.target",
+        "--hub",
+        endpoint,
+        "--model",
+        str(target_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "24",
+        *extra,
+    ]
 
 
-def wait_for(log: Path, pattern: str, proc: subprocess.Popen | None = None,
-             timeout: float = 60.0) -> str:  # fmt: skip
+def wait_for(
+    log: Path, pattern: str, proc: subprocess.Popen | None = None, timeout: float = 60.0
+) -> str:
     """First group of ``pattern`` once it is in ``log`` (fails if ``proc`` exits first)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -115,17 +153,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def write_prompts(path: Path, prompts: list[str]) -> Path:
-    rows = (json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts))
-    path.write_text("".join(rows))
-    return path
-
-
 def reference(target_dir: Path, prompt: str, n: int) -> list[int]:
     """Greedy tokens of the target alone (transformers generate, float32)."""
     target = models.load_causal_lm(target_dir)
     ids = torch.tensor([models.encode_text(target, prompt)])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=n, eos_token_id=sorted(target.eos_token_ids),
-                                pad_token_id=0)  # fmt: skip
+    out = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=sorted(target.eos_token_ids),
+        pad_token_id=0,
+    )
     return out[0, ids.shape[1] :].tolist()

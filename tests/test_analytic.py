@@ -11,6 +11,8 @@ import pytest
 
 from starsd import analytic
 from starsd.analytic import ModelInputs
+from starsd.goodput import best_gamma
+from starsd.service import ServiceCurve
 
 
 def test_expected_tokens_per_round() -> None:
@@ -28,8 +30,9 @@ def test_alpha_is_recovered_from_mean_accepted() -> None:
 
 
 # S = 2 ms, verify 5 ms + link 1 ms = R = 6 ms: one target's cycle is 8 ms, N_full = 4.
-INPUTS = ModelInputs(alpha=0.5, gamma=4, draft_s=0.002, verify_s=0.005, link_s=0.001,
-                     target_step_s=0.004)  # fmt: skip
+INPUTS = ModelInputs(
+    alpha=0.5, gamma=4, draft_s=0.002, verify_s=0.005, link_s=0.001, target_step_s=0.004
+)
 
 
 @pytest.mark.parametrize(
@@ -41,8 +44,9 @@ INPUTS = ModelInputs(alpha=0.5, gamma=4, draft_s=0.002, verify_s=0.005, link_s=0
         (8, "fully-loaded", 16.0, 0.0, 1.9375 / 0.002, 1.0),
     ],
 )
-def test_regimes(n: int, regime: str, iteration_ms: float, idle_ms: float, system: float,
-                 busy: float) -> None:  # fmt: skip
+def test_regimes(
+    n: int, regime: str, iteration_ms: float, idle_ms: float, system: float, busy: float
+) -> None:
     p = analytic.predict(INPUTS, n)
     assert p.regime == regime
     assert p.iteration_s == pytest.approx(iteration_ms / 1e3)
@@ -65,8 +69,23 @@ def test_saturation_and_break_even() -> None:
 
 
 def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    analytic.main(["--alpha", "0.5", "--draft-ms", "2", "--verify-ms", "5", "--link-ms", "1",
-                   "--target-step-ms", "4", "--n", "1", "8"])  # fmt: skip
+    analytic.main(
+        [
+            "--alpha",
+            "0.5",
+            "--draft-ms",
+            "2",
+            "--verify-ms",
+            "5",
+            "--link-ms",
+            "1",
+            "--target-step-ms",
+            "4",
+            "--n",
+            "1",
+            "8",
+        ]
+    )
     out = capsys.readouterr().out
     assert "N_full = 4" in out and "| 8 | fully-loaded | 16.00 |" in out
 
@@ -78,28 +97,48 @@ def test_service_curve_interpolates_and_extrapolates() -> None:
     """Catches S(B) read off the nearest point instead of the line between two, a curve that
     drops to zero (or extrapolates downwards) outside its measured sizes, and extrapolation
     from the first two points instead of the last two."""
-    curve = analytic.ServiceCurve(((8, 0.005), (32, 0.008), (4, 0.004)))  # sorted on the way in
-    assert curve.points == ((4, 0.004), (8, 0.005), (32, 0.008))
+    curve = _curve((8, 0.005), (32, 0.008), (4, 0.004))  # sorted on the way in
+    assert curve.table(4) == ((4, 0.004), (8, 0.005), (32, 0.008))
     cases = {1: 0.004, 4: 0.004, 6: 0.0045, 8: 0.005, 20: 0.0065, 32: 0.008, 64: 0.012}
     for batch, seconds in cases.items():
-        assert curve.at(batch) == pytest.approx(seconds), batch
-    falling = analytic.ServiceCurve(((1, 0.005), (8, 0.004)))  # noise: B = 8 measured cheaper
-    assert falling.at(64) == pytest.approx(0.004)  # never below the last measured value
-    assert analytic.ServiceCurve(((1, 0.003),)).at(64) == 0.003  # one point: flat
+        assert curve.at(batch, 4) == pytest.approx(seconds), batch
+    falling = _curve((1, 0.005), (8, 0.004))  # noise: B = 8 measured cheaper
+    assert falling.at(64, 4) == pytest.approx(0.004)  # never below the last measured value
+    assert _curve((1, 0.003)).at(64, 4) == pytest.approx(0.003)  # one point: flat
+    # measured at gamma 4: one feed and 3 steps of equal cost, so gamma 2 costs half
+    assert curve.at(8, 2) == pytest.approx(0.0025) and curve.costs(8, 4)[1:] == pytest.approx(
+        [0.00125, 0.0025, 0.00375, 0.005]
+    )
+
+
+def _curve(*points: tuple[int, float], gamma: int = 4) -> ServiceCurve:
+    """S(B) measured at ``gamma``, as a benchmark records it."""
+    return ServiceCurve.proportional(points, gamma)
+
+
+def test_a_step_cost_other_than_the_feed_shapes_s_of_gamma() -> None:
+    """Catches S(B, g) read as proportional when a(B) and b(B) differ (the hub's own fit),
+    and b interpolated from a instead of from the steps."""
+    curve = ServiceCurve((1, 9), (0.004, 0.012), (0.001, 0.005))
+    assert curve.at(1, 5) == pytest.approx(0.008) and curve.at(5, 3) == pytest.approx(0.014)
 
 
 def test_service_curve_parse_totals_and_validation() -> None:
     """Catches --curve read as seconds instead of ms, totals not divided by their counts, and
     curves the model cannot use (no point, duplicated or zero sizes, non-positive times)."""
-    assert analytic.ServiceCurve.parse("1:4.3, 8:4.7").points == ((1, 0.0043), (8, 0.0047))
+    parsed = ServiceCurve.parse("1:4.3, 8:4.7", 4)
+    assert parsed.sizes == (1, 8)
+    assert [s for _, s in parsed.table(4)] == pytest.approx([0.0043, 0.0047])
     totals = [(1, 4, 0.02), (8, 0, 0.0), (16, 2, 0.012)]  # (B, batches, summed s); 8: none
-    assert analytic.ServiceCurve.from_totals(totals).points == ((1, 0.005), (16, 0.006))
+    summed = ServiceCurve.from_totals(totals, 4)
+    assert summed.sizes == (1, 16)
+    assert [s for _, s in summed.table(4)] == pytest.approx([0.005, 0.006])
     for bad in ((), ((0, 0.001),), ((2, 0.001), (2, 0.002)), ((1, 0.0),), ((1, -1.0),)):
         with pytest.raises(ValueError):
-            analytic.ServiceCurve(bad)
+            _curve(*bad)
     for text in ("", "1:", "1-4", "x:1", "1:4:5"):
         with pytest.raises(ValueError):
-            analytic.ServiceCurve.parse(text)
+            ServiceCurve.parse(text, 4)
     with pytest.raises(ValueError):
         ModelInputs(0.5, 4, 0.002, 0.005, 0.001, 0.004, max_batch=0)
     with pytest.raises(ValueError):  # a flat S(B) = S(1) is no stand-in for a measured curve
@@ -116,11 +155,12 @@ def _one_at_a_time(inputs: ModelInputs, n: int) -> tuple[float, float]:
 def test_max_batch_one_is_the_one_at_a_time_model() -> None:
     """Catches a batched model that does not reduce to the old one at M = 1: batches of M = 1
     miscounted (k != N), S(B_1) taken for another size, or a curve's other sizes leaking in."""
-    curve = analytic.ServiceCurve(((1, 0.002), (8, 0.0001), (64, 0.5)))  # only S(1) may count
+    others = ((8, 0.0001), (64, 0.5))  # only S(1) may count
     for draft_s, verify_s, link_s in ((0.002, 0.005, 0.001), (0.0031, 0.0042, 0.0007)):
         plain = ModelInputs(0.7, 4, draft_s, verify_s, link_s, 0.004)
-        curved = ModelInputs(0.7, 4, draft_s, verify_s, link_s, 0.004, 1,
-                             analytic.ServiceCurve(((1, draft_s), *curve.points[1:])))  # fmt: skip
+        curved = ModelInputs(
+            0.7, 4, draft_s, verify_s, link_s, 0.004, 1, _curve((1, draft_s), *others)
+        )
         for inputs in (plain, curved):
             for n in range(1, 41):
                 p = analytic.predict(inputs, n)
@@ -133,8 +173,9 @@ def test_max_batch_one_is_the_one_at_a_time_model() -> None:
 
 
 # S = 2 ms whatever the batch, R = 6 ms, batches of up to 64
-FLAT = ModelInputs(0.5, 4, 0.002, 0.005, 0.001, 0.004, max_batch=64,
-                   curve=analytic.ServiceCurve(((1, 0.002), (64, 0.002))))  # fmt: skip
+FLAT = ModelInputs(
+    0.5, 4, 0.002, 0.005, 0.001, 0.004, max_batch=64, curve=_curve((1, 0.002), (64, 0.002))
+)
 
 
 def test_batching_moves_n_full_out_and_multiplies_the_ceiling() -> None:
@@ -154,8 +195,9 @@ def test_batching_moves_n_full_out_and_multiplies_the_ceiling() -> None:
 
 
 # S(B) = 4 ms at B = 1 to 6 ms at B = 8, linear between: S(B) = (26 + 2B) / 7 ms; R = 8 ms
-SLOPED = ModelInputs(0.5, 4, 0.004, 0.007, 0.001, 0.004, max_batch=8,
-                     curve=analytic.ServiceCurve.parse("1:4,8:6"))  # fmt: skip
+SLOPED = ModelInputs(
+    0.5, 4, 0.004, 0.007, 0.001, 0.004, max_batch=8, curve=ServiceCurve.parse("1:4,8:6", 4)
+)
 
 
 def test_idle_boundary_is_exactly_at_n_full() -> None:
@@ -184,8 +226,14 @@ def test_break_even_uses_the_curve() -> None:
 def test_inputs_from_bench_reads_old_and_new_json(tmp_path: Path) -> None:
     """Catches a reader that breaks on benchmark JSON from before the curve, drops a recorded
     curve or max batch, or cannot read what dataclasses.asdict writes (the scripts use it)."""
-    old = {"alpha": 0.7, "gamma": 4, "draft_s": 0.0055, "verify_s": 0.0082, "link_s": 0.0011,
-           "target_step_s": 0.008}  # fmt: skip
+    old = {
+        "alpha": 0.7,
+        "gamma": 4,
+        "draft_s": 0.0055,
+        "verify_s": 0.0082,
+        "link_s": 0.0011,
+        "target_step_s": 0.008,
+    }
     cases = {
         "old": (old, ModelInputs(**old)),
         "new": (analytic.inputs_as_json(SLOPED), SLOPED),
@@ -203,8 +251,23 @@ def test_inputs_from_bench_reads_old_and_new_json(tmp_path: Path) -> None:
 def test_cli_prints_the_curve_and_the_new_n_full(capsys: pytest.CaptureFixture[str]) -> None:
     """Catches --curve or --max-batch ignored (N_full would stay 3), the S(B) table missing,
     and --max-batch without a curve accepted as free batching."""
-    analytic.main(["--alpha", "0.5", "--verify-ms", "7", "--link-ms", "1", "--target-step-ms",
-                   "4", "--curve", "1:4,8:6", "--n", "16", "17"])  # fmt: skip
+    analytic.main(
+        [
+            "--alpha",
+            "0.5",
+            "--verify-ms",
+            "7",
+            "--link-ms",
+            "1",
+            "--target-step-ms",
+            "4",
+            "--curve",
+            "1:4,8:6",
+            "--n",
+            "16",
+            "17",
+        ]
+    )
     out = capsys.readouterr().out
     assert "| 1 | 4.00 | 1.00 | 250 |" in out and "| 8 | 6.00 | 1.50 | 1333 |" in out
     assert "N_full = 17" in out and "| 17 | fully-loaded | 16.00 | 0.00 |" in out
@@ -221,8 +284,7 @@ def test_auto_gamma_for_one_target_is_the_best_fixed_gamma() -> None:
     the gamma auto settles at must be the fixed gamma with the most tokens per second."""
     slow_target = ModelInputs(0.8, 4, 0.002, 0.020, 0.001, 0.018)
     gamma, p = analytic.auto_gamma(slow_target, 1)
-    rates = {g: analytic.predict_at(slow_target, 1, g).per_target_tokens_per_s
-             for g in range(17)}  # fmt: skip
+    rates = {g: analytic.predict_at(slow_target, 1, g).per_target_tokens_per_s for g in range(17)}
     assert gamma == max(rates, key=rates.__getitem__) and gamma >= 5
     assert p.per_target_tokens_per_s == pytest.approx(rates[gamma])
     assert analytic.at_gamma(slow_target, 8).draft_s == pytest.approx(0.004)
@@ -246,18 +308,35 @@ def test_best_gamma_rule() -> None:
     expected = [analytic.expected_tokens_per_round(0.9, g) for g in range(9)]
     costs = [0.0] + [0.010 + 0.005 * (g - 1) for g in range(1, 9)]
     outside = [0.050] * 9
-    idle = analytic.best_gamma(expected, costs, outside, 0.040, 64, loaded=False)
-    full = analytic.best_gamma(expected, costs, outside, 0.040, 64, loaded=True)
+    idle = best_gamma(expected, costs, outside, 0.040, 64, loaded=False)
+    full = best_gamma(expected, costs, outside, 0.040, 64, loaded=True)
     assert idle == 8 and full == 1
     flat = [0.0] + [0.010] * 8
-    assert analytic.best_gamma([1.0] * 9, flat, outside, None, 1, loaded=False) == 1
-    assert analytic.best_gamma(expected, costs, outside, 0.001, 64, loaded=True) == 0
+    assert best_gamma([1.0] * 9, flat, outside, None, 1, loaded=False) == 1
+    assert best_gamma(expected, costs, outside, 0.001, 64, loaded=True) == 0
 
 
 def test_cli_gamma_auto_prints_the_chosen_gamma(capsys: pytest.CaptureFixture[str]) -> None:
     """Catches --gamma auto refused, or printing no choice per N."""
-    analytic.main(["--gamma", "auto", "--alpha", "0.5", "--draft-ms", "2", "--verify-ms", "5",
-                   "--link-ms", "1", "--target-step-ms", "4", "--n", "1", "8"])  # fmt: skip
+    analytic.main(
+        [
+            "--gamma",
+            "auto",
+            "--alpha",
+            "0.5",
+            "--draft-ms",
+            "2",
+            "--verify-ms",
+            "5",
+            "--link-ms",
+            "1",
+            "--target-step-ms",
+            "4",
+            "--n",
+            "1",
+            "8",
+        ]
+    )
     out = capsys.readouterr().out
     assert "auto gamma (0..16" in out and "| 8 | 0 | alone | 2000.0 |" in out
     with pytest.raises(SystemExit):
@@ -288,8 +367,9 @@ def test_taken_branches_take_the_link_off_their_rounds_and_nothing_fully_loaded(
     base = ModelInputs(0.7, 4, 0.010, 0.020, 0.004, 0.010)  # S 10 ms, verify 20, link 4
     hits = dataclasses.replace(base, hit_rate=0.5)
     taken = dataclasses.replace(base, hit_rate=0.5, taken_rate=0.25)
-    assert math.isclose(analytic.predict(taken, 1).iteration_s,
-                        0.5 * 0.010 + 0.020 + 0.75 * 0.004)  # (1 - h) S + verify + (1 - tau) link
+    assert math.isclose(
+        analytic.predict(taken, 1).iteration_s, 0.5 * 0.010 + 0.020 + 0.75 * 0.004
+    )  # (1 - h) S + verify + (1 - tau) link
     assert analytic.predict(taken, 1).iteration_s < analytic.predict(hits, 1).iteration_s
     full = analytic.saturation_point(base)
     assert analytic.predict(taken, full) == analytic.predict(base, full)
@@ -301,13 +381,15 @@ def test_a_batch_waits_for_its_jobs_to_arrive() -> None:
     """Catches a model that lets a batch of B start when its first job arrives, though the hub
     handles the B messages one after another (measured: 21-32% over-prediction at N = 8-32 on
     the emulated sweep without this term), or that charges it to the one-at-a-time hub."""
-    curve = analytic.ServiceCurve(((1, 0.010), (64, 0.020)))
+    curve = _curve((1, 0.010), (64, 0.020))
     base = ModelInputs(0.7, 4, 0.010, 0.020, 0.001, 0.010, max_batch=64, curve=curve)
     slow = dataclasses.replace(base, per_message_s=0.001)
     one = analytic.predict(slow, 1).iteration_s
     assert math.isclose(one, analytic.predict(base, 1).iteration_s)
-    assert math.isclose(analytic.predict(slow, 32).iteration_s,
-                        analytic.predict(base, 32).iteration_s + 31 * 0.001)  # fmt: skip
+    assert math.isclose(
+        analytic.predict(slow, 32).iteration_s, analytic.predict(base, 32).iteration_s + 31 * 0.001
+    )
     single = ModelInputs(0.7, 4, 0.010, 0.020, 0.001, 0.010, per_message_s=0.001)
-    assert analytic.predict(single, 8) == analytic.predict(dataclasses.replace(
-        single, per_message_s=0.0), 8)  # fmt: skip
+    assert analytic.predict(single, 8) == analytic.predict(
+        dataclasses.replace(single, per_message_s=0.0), 8
+    )

@@ -23,7 +23,6 @@ from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
 from edge.client import HubClient, TargetInfo
 from edge.speculate import generate_speculative
-from edge.target import generate_standalone
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
 from starsd import models, transport
@@ -34,18 +33,22 @@ from starsd.hub.drafters.base import (
     make_proposal,
     new_chain_state,
 )
-from starsd.hub.pacing import PacedProposer
+from starsd.hub.engine import DraftingEngine
+from starsd.hub.pacing import Pacer
 from starsd.hub.policy import GammaPolicy, Load, PolicyParams, SessionPacing
-from starsd.hub.sessions import Limits, SessionTable
+from starsd.hub.scheduler import FairQueue
+from starsd.hub.sessions import Limits, Session, SessionTable
 from starsd.protocol import Draft, Error, Open, Opened, Proposal, SamplingParams
+from starsd.stats import HubStats
 
 
 @contextlib.asynccontextmanager
-async def serving(config: hub_module.HubConfig,
-                  policy: GammaPolicy | None = None) -> AsyncIterator[hub_module.Hub]:  # fmt: skip
+async def serving(
+    config: hub_module.HubConfig, policy: GammaPolicy | None = None
+) -> AsyncIterator[hub_module.Hub]:
     hub = hub_module.build_hub(config)
     if policy is not None:
-        hub.pacing.policy = policy
+        hub.pacer.policy = policy
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))
     while not hub.endpoint:
@@ -59,8 +62,9 @@ async def serving(config: hub_module.HubConfig,
 
 
 def _config(model: Path, **kw: object) -> hub_module.HubConfig:
-    return hub_module.HubConfig(model=str(model), bind="tcp://127.0.0.1:*", stats_interval=3600,
-                                **kw)  # type: ignore[arg-type]  # fmt: skip
+    return hub_module.HubConfig(
+        model=str(model), bind="tcp://127.0.0.1:*", stats_interval=3600, **kw
+    )  # type: ignore[arg-type]
 
 
 class Alternating(GammaPolicy):
@@ -81,13 +85,18 @@ class Alternating(GammaPolicy):
 
 
 async def _decode(
-    endpoint: str, target: models.LoadedModel, prompts: list[list[int]], n: int,
-    params: SamplingParams, features: bool = False,
-) -> list[TargetSequence]:  # fmt: skip
+    endpoint: str,
+    target: models.LoadedModel,
+    prompts: list[list[int]],
+    n: int,
+    params: SamplingParams,
+    features: bool = False,
+) -> list[TargetSequence]:
     ctx = transport.new_context()
     width = models.hidden_size(target) if features else 0
-    client = HubClient(ctx, endpoint, TargetInfo("t", target.vocab_size,
-                                                 target.tokenizer_fingerprint, width))  # fmt: skip
+    client = HubClient(
+        ctx, endpoint, TargetInfo("t", target.vocab_size, target.tokenizer_fingerprint, width)
+    )
     await client.connect()
     backend = TorchBackend(target)
     seqs = [TargetSequence(backend, p, params, n, collect_features=features) for p in prompts]
@@ -132,8 +141,9 @@ async def test_spans_alone_with_eagle_carry_their_features(
     head = write_head(tmp_path / "head", llama_pair[0], eagle_state(llama_pair[0]))
     config = _config(head, draft_kind="eagle", target=str(llama_pair[0]))
     async with serving(config, Alternating()) as hub:
-        seqs = await _decode(hub.endpoint, llama_target, PROMPTS[:2], 30, SamplingParams(),
-                             features=True)  # fmt: skip
+        seqs = await _decode(
+            hub.endpoint, llama_target, PROMPTS[:2], 30, SamplingParams(), features=True
+        )
         with hub.lock:
             (peer,) = hub.table.peers.values()
             assert hub.stats.errors_sent == 0 and peer.stats.sessions == len(seqs)  # no re-open
@@ -143,9 +153,7 @@ async def test_spans_alone_with_eagle_carry_their_features(
         assert seq.stats.rounds > 3
 
 
-async def test_gamma_0_hub_eos_inside_a_span_stops_exactly(
-    llama_pair: tuple[Path, Path]
-) -> None:
+async def test_gamma_0_hub_eos_inside_a_span_stops_exactly(llama_pair: tuple[Path, Path]) -> None:
     """Catches a span alone that runs past EOS (or stops short of it): every token here is
     decoded alone, in spans of 5, and the EOS falls in the middle of one."""
     target = models.load_causal_lm(llama_pair[0])
@@ -175,8 +183,9 @@ async def test_sampled_spans_alone_use_the_targets_own_generator(
     spans = GammaPolicy(PolicyParams(max_gamma=16, start_gamma=1, alone_tokens=7, max_alone=7))
     async with serving(_config(llama_pair[1], gamma=0), spans) as hub:
         (seq,) = await _decode(hub.endpoint, llama_target, [PROMPTS[0]], 30, params)
-    alone = generate_standalone(TargetSequence(TorchBackend(llama_target), PROMPTS[0], params,
-                                               30))  # fmt: skip
+    alone = TargetSequence(TorchBackend(llama_target), PROMPTS[0], params, 30)
+    while not alone.done:  # one forward per token, the target alone
+        alone.step()
     assert seq.generated == alone.generated and seq.stats.alone_steps == 30
 
 
@@ -210,33 +219,101 @@ class Scripted(GammaPolicy):
         return s.chosen
 
 
+class Rounds:
+    """Drafting rounds by hand: a :class:`DraftingEngine` over a session table, no sockets and
+    no thread; each job is served as its own batch by ``serve`` (the engine's round)."""
+
+    def __init__(
+        self,
+        proposer: object,
+        policy: GammaPolicy,
+        predrafter: object = None,
+        vocab: int = 100,
+        max_positions: int | None = None,
+    ) -> None:
+        limits = Limits(
+            max_sessions=8,
+            max_sessions_per_target=8,
+            default_gamma=4,
+            max_gamma=8,
+            lease_s=3.0,
+            vocab_size=vocab,
+            max_positions=max_positions,
+            auto_gamma=True,
+        )
+        self.table, self.proposer = SessionTable(limits), proposer
+        self.engine = DraftingEngine(
+            proposer,
+            Pacer(policy, max_positions),
+            FairQueue(),  # type: ignore[arg-type]
+            self.table,
+            threading.Lock(),
+            lambda *_: True,
+            HubStats(),
+            8,
+            predrafter,
+            gather=False,
+        )  # type: ignore[arg-type]
+
+    def open(self, owner: bytes = b"p", ref: int = 1, gamma: int = 0) -> Session:
+        peer = self.table.peers.get(owner) or self.table.welcome(owner, owner, "t")
+        assert peer is not None
+        return self.table.open(
+            peer, Open(ref, PROMPT, SamplingParams(), gamma), self.proposer.new_state
+        )  # type: ignore[attr-defined]
+
+    def job(
+        self,
+        session: Session,
+        seq: int,
+        accepted: int = 0,
+        appended: tuple = (),
+        features: np.ndarray | None = None,
+    ) -> DraftJob:
+        """The job the hub queues for this DRAFT (as Hub._enqueue builds it)."""
+        return DraftJob(
+            session.tag,
+            seq,
+            session.state,
+            accepted,
+            tuple(appended),
+            features=features,
+            proposed=session.last_gamma,
+            owner=session.owner,
+            auto=not session.gamma_fixed,
+        )
+
+    def serve(self, job: DraftJob) -> Proposal | Error:
+        return self.engine.serve([job])[0]
+
+
 def test_held_verdict_and_spans_reach_the_proposer_once_in_order() -> None:
     """Catches the glue around gamma 0: a held verdict lost, applied twice or with its
     accepted count reset; a span's tokens or feature rows dropped or out of order (EAGLE would
     draft from the wrong features); a proposer asked to draft gamma 0; a PROPOSAL for gamma 0
     with tokens or without ``alone``."""
-    limits = Limits(max_sessions=4, max_sessions_per_target=4, default_gamma=4, max_gamma=8,
-                    lease_s=3.0, vocab_size=100, max_positions=None, auto_gamma=True)  # fmt: skip
-    table, lock, inner = SessionTable(limits), threading.Lock(), Recorder()
-    peer = table.welcome(b"p", b"p", "p")
-    assert peer is not None
-    session = table.open(peer, Open(1, PROMPT, SamplingParams(), 0), inner.new_state)
-    paced = PacedProposer(inner, table, lock, Scripted([2, 0, 0, 3]))
+    inner = Recorder()
+    rounds = Rounds(inner, Scripted([2, 0, 0, 3]))
+    session = rounds.open()
 
     def job(seq: int, accepted: int, appended: list[int], rows: list[int]) -> DraftJob:
         features = np.array([[r, 0.0] for r in rows], np.float16).reshape(-1, 2)
-        return DraftJob(session.tag, seq, session.state, accepted, tuple(appended),
-                        features=features)  # fmt: skip
+        return rounds.job(session, seq, accepted, tuple(appended), features)
 
-    replies = [paced.propose([j])[0] for j in (
-        job(0, 0, [], [0, 1, 2]), job(1, 1, [9], [3, 4]), job(2, 0, [10, 11, 12], [5, 6, 7]),
-        job(3, 0, [13], [8]))]  # fmt: skip
+    replies = [
+        rounds.serve(j)
+        for j in (
+            job(0, 0, [], [0, 1, 2]),
+            job(1, 1, [9], [3, 4]),
+            job(2, 0, [10, 11, 12], [5, 6, 7]),
+            job(3, 0, [13], [8]),
+        )
+    ]
     assert [len(r.tokens) for r in replies if isinstance(r, Proposal)] == [2, 0, 0, 3]
     assert [r.alone for r in replies if isinstance(r, Proposal)] == [0, 4, 4, 0]
-    assert inner.jobs == [(0, 0, (), [0, 1, 2]),
-                          (3, 1, (9, 10, 11, 12, 13), [3, 4, 5, 6, 7, 8])]  # fmt: skip
+    assert inner.jobs == [(0, 0, (), [0, 1, 2]), (3, 1, (9, 10, 11, 12, 13), [3, 4, 5, 6, 7, 8])]
     assert session.state.tokens == [*PROMPT.tolist(), 1, 9, 10, 11, 12, 13]
-    assert session.pacing is not None and session.pacing.pending is None
+    assert session.state.pacing is not None and session.state.pacing.pending is None
 
 
 def test_a_targets_next_auto_session_starts_from_its_last_one() -> None:
@@ -244,32 +321,31 @@ def test_a_targets_next_auto_session_starts_from_its_last_one() -> None:
     prior (ignoring what its last session learnt), sharing that session's estimate instead
     of a copy, another target's session inheriting it, or a fixed session (whose estimate
     never learns) taking the place of the target's last auto session."""
-    limits = Limits(max_sessions=8, max_sessions_per_target=8, default_gamma=4, max_gamma=8,
-                    lease_s=3.0, vocab_size=100, max_positions=None, auto_gamma=True)  # fmt: skip
-    table, lock, inner = SessionTable(limits), threading.Lock(), Recorder()
-    p, q = table.welcome(b"p", b"p", "p"), table.welcome(b"q", b"q", "q")
-    assert p is not None and q is not None
-    paced = PacedProposer(inner, table, lock, GammaPolicy(PolicyParams(max_gamma=8)))
+    rounds = Rounds(Recorder(), GammaPolicy(PolicyParams(max_gamma=8)))
 
-    def first_job(peer: object, ref: int, gamma: int = 0) -> SessionPacing:
-        session = table.open(peer, Open(ref, PROMPT, SamplingParams(), gamma), inner.new_state)
-        paced.propose([DraftJob(session.tag, 0, session.state, 0, ())])
-        assert isinstance(session.pacing, SessionPacing)
-        return session.pacing
+    def first_job(owner: bytes, ref: int, gamma: int = 0) -> SessionPacing:
+        session = rounds.open(owner, ref, gamma)
+        rounds.serve(rounds.job(session, 0))
+        assert isinstance(session.state.pacing, SessionPacing)
+        return session.state.pacing
 
-    old = first_job(p, 1)
+    old = first_job(b"p", 1)
     for _ in range(60):
         old.estimate.observe(8, 8)
-    inherited, other, fixed = first_job(p, 2), first_job(q, 3), first_job(p, 4, gamma=3)
+    inherited, other, fixed = first_job(b"p", 2), first_job(b"q", 3), first_job(b"p", 4, gamma=3)
     assert inherited.estimate is not old.estimate
     assert inherited.estimate.alphas() == old.estimate.alphas()
     assert inherited.estimate.alphas()[0] > 0.9
     assert other.estimate.alphas()[0] == pytest.approx(0.6)
-    assert fixed.fixed == 3 and paced.owners.get(b"p") is inherited
+    assert fixed.fixed == 3 and rounds.engine.pacer.owners.get(b"p") is inherited
 
 
-async def _rounds(raw: RawTarget, tag: bytes, first: Proposal, rounds: int,
-                  ) -> tuple[list[Proposal], list[int]]:  # fmt: skip
+async def _rounds(
+    raw: RawTarget,
+    tag: bytes,
+    first: Proposal,
+    rounds: int,
+) -> tuple[list[Proposal], list[int]]:
     """Reject every draft for ``rounds`` rounds (answering a span alone with its tokens);
     returns the proposals and every token committed."""
     proposals, committed, proposal = [first], [], first
@@ -284,9 +360,10 @@ async def _rounds(raw: RawTarget, tag: bytes, first: Proposal, rounds: int,
 
 
 async def test_open_with_a_gamma_keeps_it_and_open_0_gets_the_policy(
-    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel,
+    llama_pair: tuple[Path, Path],
+    llama_target: models.LoadedModel,
     caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+) -> None:
     """Catches --gamma auto overriding a gamma the OPEN named (all its drafts are rejected,
     which would switch an auto session off), an auto session that never switches off when
     nothing is accepted, an empty proposal without ``alone``, a held verdict not merged back
@@ -302,7 +379,8 @@ async def test_open_with_a_gamma_keeps_it_and_open_0_gets_the_policy(
             await fixed.send(Open(1, PROMPT, SamplingParams(), 3))
             await auto.send(Open(1, PROMPT, SamplingParams(), 0))
             (f_opened, f_first), (a_opened, a_first) = [
-                (await t.recv(), await t.recv()) for t in (fixed, auto)]  # fmt: skip
+                (await t.recv(), await t.recv()) for t in (fixed, auto)
+            ]
             assert isinstance(f_opened, Opened) and isinstance(a_opened, Opened)
             assert isinstance(f_first, Proposal) and isinstance(a_first, Proposal)
             f_props, _ = await _rounds(fixed, f_opened.tag, f_first, 12)
@@ -322,8 +400,7 @@ async def test_open_with_a_gamma_keeps_it_and_open_0_gets_the_policy(
     assert all(len(a_props[i].tokens) == 0 for i in spans)
     assert all(len(a_props[i + 1].tokens) >= 1 for i in spans if i + 1 < len(a_props))  # probe
     last_drafted = max(i for i, p in enumerate(a_props) if len(p.tokens))
-    expected = PROMPT.tolist() + committed[: sum(
-        p.alone or 1 for p in a_props[:last_drafted])]  # fmt: skip
+    expected = PROMPT.tolist() + committed[: sum(p.alone or 1 for p in a_props[:last_drafted])]
     assert tokens == expected  # every span's tokens reached the draft state, once
     fixed_line, auto_line = sorted(lines.values(), key=lambda line: "gamma=3.00" not in line)
     assert "gamma=3.00 gamma0=0.000" in fixed_line
@@ -342,9 +419,14 @@ def test_gamma_outside_its_range_or_not_auto_is_refused_at_start(
     assert parse_args(["--gamma", "0"]).gamma == 0
     assert parse_args(["--gamma", "8", "--max-gamma", "8"]).gamma == 8
     assert parse_args(["--gamma", "auto", "--max-gamma", "2"]).default_gamma == 2
-    for argv in (["--gamma", "17"], ["--gamma", "-1"], ["--gamma", "fast"],
-                 ["--gamma", "4.5"], ["--gamma", "9", "--max-gamma", "8"],
-                 ["--max-gamma", "0"]):  # fmt: skip
+    for argv in (
+        ["--gamma", "17"],
+        ["--gamma", "-1"],
+        ["--gamma", "fast"],
+        ["--gamma", "4.5"],
+        ["--gamma", "9", "--max-gamma", "8"],
+        ["--max-gamma", "0"],
+    ):
         with pytest.raises(SystemExit) as exc:
             parse_args(argv)
         assert exc.value.code == 2, argv
@@ -354,79 +436,72 @@ def test_gamma_outside_its_range_or_not_auto_is_refused_at_start(
             hub_module.HubConfig(model="m", gamma=bad)  # type: ignore[arg-type]
 
 
-def _paced_side(draft: models.LoadedModel, gammas: list[int], predrafting: bool) -> tuple:
-    """(session, paced proposer, paced pre-drafter or None) of one auto session whose policy
-    says ``gammas`` in turn (spans alone of one token), over a draft LLM proposer."""
+def _predrafting_side(
+    draft: models.LoadedModel, gammas: list[int], predrafting: bool
+) -> tuple[Rounds, Session, object]:
+    """One auto session whose policy says ``gammas`` in turn (spans alone of one token), over
+    a draft LLM proposer, with or without a pre-drafter: (rounds, session, pre-drafter)."""
     from starsd.hub.drafters.llm import LlmProposer
-    from starsd.hub.pacing import PacedPredrafter
     from starsd.hub.predraft import Predrafter
 
-    limits = Limits(max_sessions=4, max_sessions_per_target=4, default_gamma=4, max_gamma=8,
-                    lease_s=3.0, vocab_size=draft.vocab_size, max_positions=draft.max_positions,
-                    auto_gamma=True)  # fmt: skip
-    table, lock, inner = SessionTable(limits), threading.Lock(), LlmProposer(draft)
-    peer = table.welcome(b"p", b"p", "p")
-    assert peer is not None
-    session = table.open(peer, Open(1, PROMPT, SamplingParams(), 0), inner.new_state)
+    inner = LlmProposer(draft)
     policy = Scripted(list(gammas))
     policy.params = PolicyParams(max_gamma=8, alone_tokens=1, max_alone=1)
-    paced = PacedProposer(inner, table, lock, policy)
-    pre = PacedPredrafter(Predrafter(inner, branches=4), paced) if predrafting else None
-    return session, paced, pre
+    pre = Predrafter(inner, branches=4) if predrafting else None
+    rounds = Rounds(inner, policy, pre, draft.vocab_size, draft.max_positions)
+    return rounds, rounds.open(), pre
 
 
 def test_pre_drafting_follows_the_policy_and_never_answers_a_held_verdict(
     llama_pair: tuple[Path, Path],
 ) -> None:
-    """Catches pre-drafting and --gamma auto stepping on each other, with the engine's calls
-    made by hand (answer each job, propose the rest, offer what went out, idle steps): a branch
-    answering a round the policy gave a longer gamma than its own (or gamma 0), a session
-    offered while its verdict is held (a 1-token span would then match a branch of the old
-    proposal and commit the wrong verdict), and a hit the policy does not learn from. The same
-    session drafted without a pre-drafter must get the same proposal every round."""
+    """Catches pre-drafting and --gamma auto stepping on each other, through the engine's round
+    with the idle steps run by hand: a branch answering a round the policy gave a longer gamma
+    than its own (or gamma 0), a session offered while its verdict is held (a 1-token span
+    would then match a branch of the old proposal and commit the wrong verdict), and a hit the
+    table does not count as the proposal out (the policy learns from the next verdict by it).
+    The same session drafted without a pre-drafter must get the same proposal every round."""
     # drafted, hit, hit at a shorter gamma (the branch's first tokens), alone, probe, hit, hit
     gammas = [3, 3, 2, 0, 2, 2, 2]
     draft = models.load_causal_lm(llama_pair[1])
-    sides = [_paced_side(draft, gammas, predrafting) for predrafting in (True, False)]
+    sides = [_predrafting_side(draft, gammas, predrafting) for predrafting in (True, False)]
 
-    def answer(side: tuple, job: DraftJob) -> tuple[Proposal, bool]:
-        _, paced, pre = side
-        hit = pre.answer(job) if pre is not None else None
-        reply = hit if hit is not None else paced.propose([job])[0]
+    def answer(side: tuple, seq: int, verdict: tuple) -> tuple[Proposal, bool]:
+        rounds, session, pre = side
+        before = _hits(rounds)
+        reply = rounds.serve(rounds.job(session, seq, *verdict))
         assert isinstance(reply, Proposal), reply
-        if pre is not None:
-            pre.offer(job.tag, job.state)
-            while pre.has_work():
-                pre.step()
-        return reply, hit is not None
+        while pre is not None and pre.has_work():
+            pre.step()
+        return reply, _hits(rounds) > before
 
     def branch_keys() -> list[tuple[int, int]]:
-        session, _, pre = sides[0]
-        waiting = pre.inner.waiting.get(session.tag)
+        _, session, pre = sides[0]
+        waiting = pre.waiting.get(session.tag)
         return sorted(waiting.branches) if waiting is not None else []
 
     verdict: tuple[int, tuple[int, ...]] = (0, ())
     hits, seen_alone = [], False
     for seq in range(len(gammas)):
         held_keys = branch_keys()  # the branches of the proposal this verdict answers
-        replies = []
-        for side in sides:
-            job = DraftJob(side[0].tag, seq, side[0].state, *verdict)
-            replies.append(answer(side, job))
-        (a, hit), (b, _) = replies
+        (a, hit), (b, _) = [answer(side, seq, verdict) for side in sides]
         assert a.tokens.tolist() == b.tokens.tolist() and a.alone == b.alone, seq
         hits.append(hit)
-        if hit:  # the policy saw the round go out (and learns from the next verdict)
-            pacing = sides[0][0].pacing
-            assert pacing.decision is None and pacing.last_gamma == len(a.tokens)
+        if hit:  # the table counts the hit as the proposal out: the next verdict answers it
+            assert sides[0][1].last_gamma == len(a.tokens)
         if a.alone:  # the span: a token a branch of the held proposal was drafted for
-            assert sides[0][0].tag not in sides[0][2].inner.waiting  # not even its probe
+            assert sides[0][1].tag not in sides[0][2].waiting  # not even its probe
             seen_alone = True
             verdict = (0, (next(c for k, c in held_keys if k == 0),))
         else:  # a verdict a branch was drafted for
             k, c = branch_keys()[-1]
             verdict = (min(k, len(a.tokens)), (c,))
     assert seen_alone and hits == [False, True, True, False, False, True, True]
-    assert sides[0][0].state.tokens == sides[1][0].state.tokens
-    pacing = sides[0][0].pacing
-    assert pacing is not None and pacing.last_gamma == 2 and pacing.pending is None
+    assert sides[0][1].state.tokens == sides[1][1].state.tokens
+    pacing = sides[0][1].state.pacing
+    assert pacing is not None and sides[0][1].last_gamma == 2 and pacing.pending is None
+
+
+def _hits(rounds: Rounds) -> int:
+    peer = next(iter(rounds.table.peers.values()))
+    return peer.stats.predraft_hits

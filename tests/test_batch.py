@@ -9,6 +9,7 @@ import torch
 
 from starsd import models
 from starsd.batch import RaggedBatch, SequenceCache
+from starsd.llama import PaddedKeyValues
 
 
 def test_layout_of_a_ragged_batch() -> None:
@@ -24,7 +25,10 @@ def test_layout_of_a_ragged_batch() -> None:
     assert batch.step_positions(1).flatten().tolist() == [4, 4, 6]
     assert batch.last_fed().tolist() == [0, 2, 1]
     assert batch.input_ids([[7], [1, 2, 3], [4, 5]], pad=9).tolist() == [
-        [7, 9, 9], [1, 2, 3], [4, 5, 9]]  # fmt: skip
+        [7, 9, 9],
+        [1, 2, 3],
+        [4, 5, 9],
+    ]
 
 
 @pytest.mark.parametrize("cached, fed", [((0,), (0,)), ((1,), (-1,)), ((1, 2), (1,))])
@@ -38,8 +42,10 @@ def test_gather_then_scatter_gives_each_row_its_own_compact_cache() -> None:
     """Catches a scatter that keeps padding or another row's columns, or a view into the whole
     batch buffer (which would pin the batch's memory for as long as the session lives)."""
     shapes = [(2, 4), (2, 4)]
-    caches = [SequenceCache.from_layers([(torch.randn(2, c, 4), torch.randn(2, c, 4))
-                                         for _ in shapes]) for c in (3, 1)]  # fmt: skip
+    caches = [
+        SequenceCache.from_layers([(torch.randn(2, c, 4), torch.randn(2, c, 4)) for _ in shapes])
+        for c in (3, 1)
+    ]
     batch = RaggedBatch((3, 1), (2, 1), steps=1)
     buffers = batch.gather(caches, shapes, torch.float32, torch.device("cpu"))
     for b in buffers:  # what a forward would append: the feed, then one decode step
@@ -60,18 +66,18 @@ def test_gather_then_scatter_gives_each_row_its_own_compact_cache() -> None:
     assert batch.scatter(buffers, 1, steps_kept=1, keep_cached=False).length == 1 + 1
 
 
-@pytest.mark.parametrize("decode_attention", [False, True], ids=["sdpa", "decode-attention"])
+@pytest.mark.parametrize("lean", [True, False], ids=["plain-torch", "transformers"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_ragged_forward_equals_each_sequence_alone(
-    family: str, decode_attention: bool, llama_pair: tuple[Path, Path],
+    family: str,
+    lean: bool,
+    llama_pair: tuple[Path, Path],
     gpt2_pair: tuple[Path, Path],
-) -> None:  # fmt: skip
+) -> None:
     """Catches wrong position ids, a mask that lets a row see padding or another row, and a
-    cache layer that writes to the wrong columns (Llama: rotary positions; GPT-2: learned);
-    with the hub draft's decode attention (``models.use_decode_attention``), a mask it reads
-    the wrong way or a wrong scale (its decode step is checked against sdpa's forward alone)."""
-    draft = models.load_causal_lm({"llama": llama_pair, "gpt2": gpt2_pair}[family][1])
-    assert models.use_decode_attention(draft) if decode_attention else True
+    cache layer that writes to the wrong columns (Llama: rotary positions; GPT-2: learned),
+    in StarSD's own Llama forward and in transformers' (every other architecture's)."""
+    draft = models.load_causal_lm({"llama": llama_pair, "gpt2": gpt2_pair}[family][1], lean=lean)
     shapes = models.kv_shapes(draft)
     seqs = [[5, 17, 33, 8, 9, 11, 40], [3, 4], [21, 22, 23, 24, 25]]
     split = [4, 0, 3]  # cached part of each sequence
@@ -81,8 +87,12 @@ def test_a_ragged_forward_equals_each_sequence_alone(
         if c:
             first = RaggedBatch((0,), (c,), 0)
             buffers = first.gather([cache], shapes, torch.float32, draft.device)
-            models.forward_batch(draft, first.input_ids([seq[:c]]), first.feed_positions(),
-                                 first.key_mask(c), buffers)  # fmt: skip
+            models.forward_batch(
+                draft,
+                first.input_ids([seq[:c]]),
+                first.feed_positions(),
+                PaddedKeyValues(buffers, first.key_mask(c)),
+            )
             cache = first.scatter(buffers, 0, 0)
         caches.append(cache)
     fed = tuple(len(s) - c for s, c in zip(seqs, split, strict=True))
@@ -90,11 +100,16 @@ def test_a_ragged_forward_equals_each_sequence_alone(
     buffers = batch.gather(caches, shapes, torch.float32, draft.device)
     width = batch.cached_width + batch.fed_width
     feeds = [s[c:] for s, c in zip(seqs, split, strict=True)]
-    logits, _ = models.forward_batch(draft, batch.input_ids(feeds), batch.feed_positions(),
-                                     batch.key_mask(width), buffers)  # fmt: skip
+    logits, _ = models.forward_batch(
+        draft,
+        batch.input_ids(feeds),
+        batch.feed_positions(),
+        PaddedKeyValues(buffers, batch.key_mask(width)),
+    )
     nxt = torch.tensor([[1], [2], [3]])
-    step, _ = models.forward_batch(draft, nxt, batch.step_positions(0),
-                                   batch.key_mask(width + 1), buffers)  # fmt: skip
+    step, _ = models.forward_batch(
+        draft, nxt, batch.step_positions(0), PaddedKeyValues(buffers, batch.key_mask(width + 1))
+    )
     for i, seq in enumerate(seqs):
         alone = models.forward(draft, [*seq, int(nxt[i])], models.new_cache(draft))
         real = logits[i, : len(feeds[i])]

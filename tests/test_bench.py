@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import RunningHub
 
+from scripts.bench import scale as bench_scale
+from scripts.emulate.emulated import EmulationConfig, Phases, accepted_count, emulate, schedule
 from starsd import analytic
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import bench_scale
-from emulated import EmulationConfig, Phases, accepted_count, emulate, schedule
-
-CONTRACT = {"mode", "n_targets", "system_tokens_per_s", "per_target_tokens_per_s",
-            "predicted_system_tokens_per_s", "hub_busy_fraction", "acceptance_rate",
-            "mean_accepted", "latency_ms", "bytes_per_round"}  # fmt: skip
+CONTRACT = {
+    "mode",
+    "n_targets",
+    "system_tokens_per_s",
+    "per_target_tokens_per_s",
+    "predicted_system_tokens_per_s",
+    "hub_busy_fraction",
+    "acceptance_rate",
+    "mean_accepted",
+    "latency_ms",
+    "bytes_per_round",
+}
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.8])
@@ -40,8 +46,11 @@ def test_calibration_slices_alternate_with_the_window() -> None:
     middles = [(a + b) / 2 for a, b in zip(phases.bounds, phases.bounds[1:], strict=False)]
     kinds = [phases.kind(t) for t in middles]
     assert kinds == ["calibration", "window"] * 4 + ["calibration"]
-    window = sum(b - a for a, b, k in zip(phases.bounds, phases.bounds[1:], kinds, strict=False)
-                 if k == "window")  # fmt: skip
+    window = sum(
+        b - a
+        for a, b, k in zip(phases.bounds, phases.bounds[1:], kinds, strict=False)
+        if k == "window"
+    )
     assert window == pytest.approx(2.0)
     assert phases.kind(9.9) is None and phases.kind(13.1) is None  # warm-up, after the end
     assert Phases().kind(10.0) is None  # nothing counts before the schedule is set
@@ -50,9 +59,16 @@ def test_calibration_slices_alternate_with_the_window() -> None:
 async def test_emulated_run_fills_the_json_contract(
     running_hub: RunningHub, llama_pair: tuple[Path, Path]
 ) -> None:
-    cfg = EmulationConfig(hub=running_hub.endpoint, targets=3, alpha=0.6, verify_ms=2.0,
-                          duration=0.6, warmup=0.2, calibration=0.3,
-                          model=str(llama_pair[0]))  # fmt: skip
+    cfg = EmulationConfig(
+        hub=running_hub.endpoint,
+        targets=3,
+        alpha=0.6,
+        verify_ms=2.0,
+        duration=0.6,
+        warmup=0.2,
+        calibration=0.3,
+        model=str(llama_pair[0]),
+    )
     report = await emulate(cfg)
     assert report["rounds"] > 0 and report["system_tokens_per_s"] > 0
     assert 0.0 < report["hub_busy_fraction"] <= 1.0
@@ -63,10 +79,15 @@ async def test_emulated_run_fills_the_json_contract(
     inputs = analytic.ModelInputs(0.6, 4, report["draft_service_s"], 0.002, 0.0002, 0.002)
     record = bench_scale.emulated_record(inputs, report, bench_scale.ONE_AT_A_TIME)
     alpha = analytic.alpha_from_mean_accepted(report["mean_accepted"], 4)
-    calibrated = replace(inputs, alpha=alpha, draft_s=calibration["draft_service_s"],
-                         verify_s=calibration["verify_ms"] / 1e3)  # fmt: skip
+    calibrated = replace(
+        inputs,
+        alpha=alpha,
+        draft_s=calibration["draft_service_s"],
+        verify_s=calibration["verify_ms"] / 1e3,
+    )
     assert record["predicted_system_tokens_per_s"] == pytest.approx(
-        analytic.predict(calibrated, 3).system_tokens_per_s)
+        analytic.predict(calibrated, 3).system_tokens_per_s
+    )
     assert set(record) >= CONTRACT
     assert all(record[k] is not None for k in CONTRACT)
     assert record["mode"] == "emulated-one-at-a-time" and record["n_targets"] == 3
@@ -79,8 +100,15 @@ async def test_emulated_run_fills_the_json_contract(
     assert calibration["hub_batches"] > 0 and calibration["batch_service_ms"] > 0
     # the hub's S(B) counters: every batch of the window in exactly one size's row
     assert sum(row["batches"] for row in report["service_curve"]) == report["hub_batches"]
-    assert set(record) >= {"max_batch", "mean_batch_size", "proposal_wait_ms", "service_curve",
-                           "hub_rss_peak_mb", "hub_rss_after_mb", "emulator_cpu_fraction"}
+    assert set(record) >= {
+        "max_batch",
+        "mean_batch_size",
+        "proposal_wait_ms",
+        "service_curve",
+        "hub_rss_peak_mb",
+        "hub_rss_after_mb",
+        "emulator_cpu_fraction",
+    }
 
 
 # S(d) = 2 ms, R = 5 ms verify + 1.5 ms link: (S + R) / S = 4.25, so the model's N_full is 5.
@@ -88,11 +116,17 @@ async def test_emulated_run_fills_the_json_contract(
 SWEEP_INPUTS = analytic.ModelInputs(0.7, 4, 0.002, 0.005, 0.0015, 0.008)
 
 
-def _run(n: int, busy: float, system: float, predicted: float, one_s: float, std: float,
-         mean: float) -> dict:  # fmt: skip
-    return {"n_targets": n, "hub_busy_fraction": busy, "system_tokens_per_s": system,
-            "predicted_system_tokens_per_s": predicted, "predicted_one_s_tokens_per_s": one_s,
-            "latency_ms": {"std": std, "mean": mean}}  # fmt: skip
+def _run(
+    n: int, busy: float, system: float, predicted: float, one_s: float, std: float, mean: float
+) -> dict:
+    return {
+        "n_targets": n,
+        "hub_busy_fraction": busy,
+        "system_tokens_per_s": system,
+        "predicted_system_tokens_per_s": predicted,
+        "predicted_one_s_tokens_per_s": one_s,
+        "latency_ms": {"std": std, "mean": mean},
+    }
 
 
 # A sweep whose answers are known and differ from the trivial ones. Busy reaches 0.95 exactly
@@ -140,20 +174,29 @@ def test_latency_steadiness_picks_the_runs_it_names() -> None:
     one_to_one = {"n_targets": 5, "latency_ms": {"std": 7.0, "mean": 35.0}}
     steadiness = bench_scale.latency_steadiness(SWEEP, one_to_one, 5)
     assert steadiness == {
-        "single_pair": 1.0, "at_n_full": 3.0, "n_full_run": 4,
+        "single_pair": 1.0,
+        "at_n_full": 3.0,
+        "n_full_run": 4,
         "one_to_one_same_machine": 7.0,
-        "cv_at_n_full": pytest.approx(0.25), "cv_one_to_one_same_machine": pytest.approx(0.2),
-    }  # fmt: skip
-
+        "cv_at_n_full": pytest.approx(0.25),
+        "cv_one_to_one_same_machine": pytest.approx(0.2),
+    }
 
 
 def test_verify_time_alone_step_and_the_switch() -> None:
     """Catches: the per-token verify cost left out or applied to gamma + 1, an alone step that
     ignores its option, and alpha switching before its time or without --alpha-switch."""
-    from emulated import switch_time
+    from scripts.emulate.emulated import switch_time
 
-    cfg = EmulationConfig(hub="", verify_ms=16.0, verify_ms_per_token=1.5, alone_step_ms=0.0,
-                          alpha=0.9, alpha_switch=0.3, switch_at=0.25)  # fmt: skip
+    cfg = EmulationConfig(
+        hub="",
+        verify_ms=16.0,
+        verify_ms_per_token=1.5,
+        alone_step_ms=0.0,
+        alpha=0.9,
+        alpha_switch=0.3,
+        switch_at=0.25,
+    )
     assert cfg.verify_s(4) == pytest.approx(0.022) and cfg.verify_s(1) == pytest.approx(0.0175)
     assert cfg.step_alone_s == pytest.approx(0.016)  # 0: the verify time of no draft token
     assert replace(cfg, alone_step_ms=9.0).step_alone_s == pytest.approx(0.009)
@@ -174,8 +217,9 @@ async def test_emulated_targets_honour_spans_alone(
     from starsd import hub as hub_module
     from starsd import transport
 
-    config = hub_module.HubConfig(model=str(llama_pair[1]), bind="tcp://127.0.0.1:*",
-                                  stats_interval=3600, gamma=0)  # fmt: skip
+    config = hub_module.HubConfig(
+        model=str(llama_pair[1]), bind="tcp://127.0.0.1:*", stats_interval=3600, gamma=0
+    )
     hub = hub_module.build_hub(config)
     ctx = transport.new_context()
     import asyncio
@@ -184,9 +228,18 @@ async def test_emulated_targets_honour_spans_alone(
     while not hub.endpoint:
         await asyncio.sleep(0.01)
     try:
-        cfg = EmulationConfig(hub=hub.endpoint, targets=2, gamma=0, verify_ms=2.0,
-                              alone_step_ms=0.2, duration=0.6, warmup=0.2, calibration=0.3,
-                              model=str(llama_pair[0]), trace_gamma=True)  # fmt: skip
+        cfg = EmulationConfig(
+            hub=hub.endpoint,
+            targets=2,
+            gamma=0,
+            verify_ms=2.0,
+            alone_step_ms=0.2,
+            duration=0.6,
+            warmup=0.2,
+            calibration=0.3,
+            model=str(llama_pair[0]),
+            trace_gamma=True,
+        )
         report = await emulate(cfg)
     finally:
         hub.stop()
@@ -205,10 +258,20 @@ async def test_emulated_auto_gamma_and_switch_trace(
     """gamma 0 on a --gamma auto hub: proposals of the hub's choosing (any length, spans alone
     allowed), acceptance counted against the tokens proposed, and a trace per session that
     marks where the switch fell."""
-    cfg = EmulationConfig(hub=running_hub.endpoint, targets=2, gamma=0, alpha=0.9,
-                          verify_ms=2.0, verify_ms_per_token=0.2, duration=0.8, warmup=0.2,
-                          calibration=0.4, model=str(llama_pair[0]), alpha_switch=0.3,
-                          switch_at=0.5)  # fmt: skip
+    cfg = EmulationConfig(
+        hub=running_hub.endpoint,
+        targets=2,
+        gamma=0,
+        alpha=0.9,
+        verify_ms=2.0,
+        verify_ms_per_token=0.2,
+        duration=0.8,
+        warmup=0.2,
+        calibration=0.4,
+        model=str(llama_pair[0]),
+        alpha_switch=0.3,
+        switch_at=0.5,
+    )
     report = await emulate(cfg)
     counts = report["gamma_counts"]
     assert sum(counts.values()) == report["rounds"] + report["alone_spans"] > 0

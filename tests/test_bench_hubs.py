@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from scripts.bench import hubs as bench_hubs
+from scripts.bench.common import sweep_order
+from scripts.bench.hubs import ONE, SPLIT, TWO
+from scripts.emulate import emulated
 from starsd import hub as hub_module
 from starsd import transport
 from starsd.protocol import Stats
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import bench_hubs
-import emulated
-from bench_hubs import ONE, SPLIT, TWO
 
 
 def test_balance_shares_and_largest_over_even() -> None:
@@ -45,8 +43,10 @@ def test_hubs_report_takes_each_hub_its_own_window() -> None:
     # slices: calibration 0-1, window 1-3, calibration 3-4; hub A busy 1.5 s of the window's 2
     a = _spans([(0, 0, 0, 2), (1, 0.9, 10, 4), (3, 2.4, 50, 6), (4, 3.4, 60, 2)])
     b = _spans([(0, 0, 0, 0), (1, 0.1, 1, 2), (3, 0.6, 11, 2), (4, 0.7, 12, 0)])
-    records = [emulated.TargetRecord(placed={"A": 3, "B": 1}),
-               emulated.TargetRecord(placed={"A": 1})]  # fmt: skip
+    records = [
+        emulated.TargetRecord(placed={"A": 3, "B": 1}),
+        emulated.TargetRecord(placed={"A": 1}),
+    ]
     records[0].per_hub("A").add(6, 0.02)
     records[1].per_hub("A").add(2, 0.04)
     records[1].per_hub("B").add(4, 0.01)
@@ -66,7 +66,7 @@ def test_hubs_report_takes_each_hub_its_own_window() -> None:
 def test_sweep_order_rotates_which_mode_goes_first() -> None:
     """Catches: one mode always first (drift would then favour it), and a repeat that starts
     where the last one started instead of carrying the rotation on."""
-    order = bench_hubs.sweep_order([8, 16], repeats=2)
+    order = sweep_order([8, 16], bench_hubs.MODES, repeats=2)
     firsts = [order[i][2] for i in range(0, len(order), 3)]
     assert firsts == [ONE, TWO, SPLIT, ONE]
     assert all({m for _, n, m in order if n == 8} == {ONE, TWO, SPLIT} for _ in (0,))
@@ -85,17 +85,31 @@ def test_modes_give_the_emulators_their_hubs() -> None:
 
 
 def _run(mode: str, n: int, repeat: int, tok_s: float) -> dict:
-    return {"mode": mode, "n_targets": n, "repeat": repeat, "system_tokens_per_s": tok_s,
-            "hub_busy_fraction": 0.9, "emulator_cpu_fraction": 0.1}  # fmt: skip
+    return {
+        "mode": mode,
+        "n_targets": n,
+        "repeat": repeat,
+        "system_tokens_per_s": tok_s,
+        "hub_busy_fraction": 0.9,
+        "emulator_cpu_fraction": 0.1,
+    }
 
 
 # Two repeats. One hub saturates at 100 tok/s (median of 90 and 110 at N=16); two hubs reach a
 # median of 190 at N=32 (the best N, not the last); per repeat the pairs at N=32 are 180/100 and
 # 200/120, whose median ratio (1.733) differs from the ratio of medians (190/105).
-SWEEP = [_run(ONE, 16, 0, 90.0), _run(ONE, 16, 1, 110.0), _run(ONE, 32, 0, 100.0),
-         _run(ONE, 32, 1, 120.0), _run(TWO, 16, 0, 150.0), _run(TWO, 16, 1, 150.0),
-         _run(TWO, 32, 0, 180.0), _run(TWO, 32, 1, 200.0), _run(TWO, 64, 0, 170.0),
-         _run(TWO, 64, 1, 170.0)]  # fmt: skip
+SWEEP = [
+    _run(ONE, 16, 0, 90.0),
+    _run(ONE, 16, 1, 110.0),
+    _run(ONE, 32, 0, 100.0),
+    _run(ONE, 32, 1, 120.0),
+    _run(TWO, 16, 0, 150.0),
+    _run(TWO, 16, 1, 150.0),
+    _run(TWO, 32, 0, 180.0),
+    _run(TWO, 32, 1, 200.0),
+    _run(TWO, 64, 0, 170.0),
+    _run(TWO, 64, 1, 170.0),
+]
 
 
 def test_summary_saturated_ratio_and_paired_ratios() -> None:
@@ -111,15 +125,19 @@ def test_summary_saturated_ratio_and_paired_ratios() -> None:
     assert summary["ratio_by_n"]["16"] == pytest.approx((150 / 90 + 150 / 110) / 2)
     assert "64" not in summary["ratio_by_n"]  # no one-hub run to pair it with
     assert summary["saturated_ratio_static"] is None  # that mode did not run
-    doubled = [{**r, "system_tokens_per_s": 2 * r["system_tokens_per_s"]} if r["mode"] == TWO
-               else r for r in SWEEP]  # fmt: skip
+    doubled = [
+        {**r, "system_tokens_per_s": 2 * r["system_tokens_per_s"]} if r["mode"] == TWO else r
+        for r in SWEEP
+    ]
     assert bench_hubs.sweep_summary(doubled)["meets_target"] is True
 
 
-def _row(prompt: str, ids: list[int], moves: int = 0, resume: float = 0.0,
-         after: int = 0) -> dict:  # fmt: skip
-    return {"prompt": prompt, "token_ids": ids,
-            "stats": {"moves": moves, "resume_s": resume, "standalone_after_move": after}}
+def _row(prompt: str, ids: list[int], moves: int = 0, resume: float = 0.0, after: int = 0) -> dict:
+    return {
+        "prompt": prompt,
+        "token_ids": ids,
+        "stats": {"moves": moves, "resume_s": resume, "standalone_after_move": after},
+    }
 
 
 def test_fault_summary_compares_every_output_and_the_moves() -> None:
@@ -127,8 +145,10 @@ def test_fault_summary_compares_every_output_and_the_moves() -> None:
     rows missed, sequences that did not move counted in the resume times, the max resume
     compared with the heartbeat as the median, and standalone steps after a move dropped."""
     reference = [_row("p", [1, 2, 3]), _row("q", [4, 5])]
-    rows = [[_row("q", [4, 5], moves=1, resume=0.2), _row("p", [1, 2, 3])],
-            [_row("p", [1, 2, 3], moves=1, resume=0.3, after=1), _row("q", [4, 5])]]
+    rows = [
+        [_row("q", [4, 5], moves=1, resume=0.2), _row("p", [1, 2, 3])],
+        [_row("p", [1, 2, 3], moves=1, resume=0.3, after=1), _row("q", [4, 5])],
+    ]
     summary = bench_hubs.fault_summary(rows, reference, 0.5, [1.5, None])
     assert summary["identical_to_target_alone"] is True and summary["sequences"] == 4
     assert summary["moved_sequences"] == 2 and summary["resume_s"] == [0.2, 0.3]
@@ -146,8 +166,10 @@ def test_fault_summary_compares_every_output_and_the_moves() -> None:
 
 def test_detection_time_from_a_target_log() -> None:
     """Catches: another hub's loss taken for the victim's, and the log's milliseconds dropped."""
-    log = ("2025-01-02 03:04:05,100 edge.client WARNING hub tcp://127.0.0.1:2 unavailable (x)\n"
-           "2025-01-02 03:04:06,250 edge.client WARNING hub tcp://127.0.0.1:1 unavailable (y)\n")
+    log = (
+        "2025-01-02 03:04:05,100 edge.client WARNING hub tcp://127.0.0.1:2 unavailable (x)\n"
+        "2025-01-02 03:04:06,250 edge.client WARNING hub tcp://127.0.0.1:1 unavailable (y)\n"
+    )
     at = bench_hubs.detected_at(log, "tcp://127.0.0.1:1")
     other = bench_hubs.detected_at(log, "tcp://127.0.0.1:2")
     assert at is not None and other is not None and at - other == pytest.approx(1.15)
@@ -166,8 +188,13 @@ def test_emulator_refuses_a_bad_hub_list() -> None:
 
 @pytest.fixture
 async def two_hubs(llama_pair: tuple[Path, Path]) -> AsyncIterator[list[str]]:
-    config = hub_module.HubConfig(model=str(llama_pair[1]), bind="tcp://127.0.0.1:*",
-                                  stats_interval=3600, gamma=4, heartbeat_s=0.2)  # fmt: skip
+    config = hub_module.HubConfig(
+        model=str(llama_pair[1]),
+        bind="tcp://127.0.0.1:*",
+        stats_interval=3600,
+        gamma=4,
+        heartbeat_s=0.2,
+    )
     hubs = [hub_module.build_hub(config) for _ in range(2)]
     ctxs = [transport.new_context() for _ in hubs]  # one each: a hub binds its ZAP handler
     tasks = [asyncio.create_task(h.serve(ctx)) for h, ctx in zip(hubs, ctxs, strict=True)]
@@ -190,16 +217,27 @@ async def test_emulated_run_over_two_hubs_reports_each(
     """Catches: sessions all opened on the first hub (placement not used), STATS polled from
     one hub only (the other's figures missing or a copy), per-hub placements that do not add
     up to the sessions opened, and the pooled busy fraction not over both hubs."""
-    cfg = emulated.EmulationConfig(hub=",".join(two_hubs), targets=4, verify_ms=2.0,
-                                   duration=0.8, warmup=0.3, calibration=0.3, max_new_tokens=8,
-                                   model=str(llama_pair[0]))  # fmt: skip
+    cfg = emulated.EmulationConfig(
+        hub=",".join(two_hubs),
+        targets=4,
+        verify_ms=2.0,
+        duration=0.8,
+        warmup=0.3,
+        calibration=0.3,
+        max_new_tokens=8,
+        model=str(llama_pair[0]),
+    )
     report = await emulated.emulate(cfg)
     hubs = report["hubs"]
     assert [h["endpoint"] for h in hubs] == two_hubs
     assert all(h["sessions_placed"] > 0 and h["jobs"] > 0 for h in hubs), hubs
     assert all(h["rounds"] > 0 and h["tokens_per_s"] > 0 for h in hubs), hubs
-    assert set(report["balance"]) == {"sessions_placed", "mean_open_sessions", "jobs",
-                                      "tokens_per_s"}  # fmt: skip
+    assert set(report["balance"]) == {
+        "sessions_placed",
+        "mean_open_sessions",
+        "jobs",
+        "tokens_per_s",
+    }
     assert sum(h["jobs"] for h in hubs) == report["hub_jobs"]
     assert sum(h["rounds"] for h in hubs) == report["rounds"]
     busy = [h["busy_fraction"] for h in hubs]

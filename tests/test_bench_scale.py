@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from scripts.bench import harness
+from scripts.bench import run as bench
+from scripts.bench import scale as bench_scale
+from scripts.bench import service as bench_service
+from scripts.emulate import emulated
 from starsd import analytic
 from starsd.protocol import Stats, curve_arrays
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import bench
-import bench_scale
-import bench_service
-import emulated
-import harness
+from starsd.service import ServiceCurve
 
 STATUS = """Name:\tpython
 VmPeak:\t 1200000 kB
@@ -39,14 +37,32 @@ def test_status_fields_parse_in_kb() -> None:
 
 
 def test_sweep_alternates_which_hub_goes_first() -> None:
-    order = bench_scale.sweep_order([1, 2, 4])
-    assert order == [(1, "one-at-a-time"), (1, "batched"), (2, "batched"),
-                     (2, "one-at-a-time"), (4, "one-at-a-time"), (4, "batched")]  # fmt: skip
+    order = [(n, h) for _, n, h in bench_common.sweep_order([1, 2, 4], bench_scale.HUBS)]
+    assert order == [
+        (1, "one-at-a-time"),
+        (1, "batched"),
+        (2, "batched"),
+        (2, "one-at-a-time"),
+        (4, "one-at-a-time"),
+        (4, "batched"),
+    ]
 
 
 def _stats(sizes: list[int], counts: list[int], seconds: list[float]) -> Stats:
-    return Stats(0, 1.0, 0.5, sum(counts), sum(counts), 0, 0, 0, 0, 0, 0.0,
-                 **curve_arrays(list(zip(sizes, counts, seconds, strict=True))))  # fmt: skip
+    return Stats(
+        0,
+        1.0,
+        0.5,
+        sum(counts),
+        sum(counts),
+        0,
+        0,
+        0,
+        0,
+        0,
+        0.0,
+        **curve_arrays(list(zip(sizes, counts, seconds, strict=True))),
+    )
 
 
 def test_service_curve_from_per_size_counters() -> None:
@@ -54,9 +70,11 @@ def test_service_curve_from_per_size_counters() -> None:
     inside the window dropped, spans not summed, and a size with no new batch reported."""
     spans = [
         (_stats([1, 4], [10, 2], [0.1, 0.05]), _stats([1, 4, 8], [12, 4, 1], [0.12, 0.1, 0.04])),
-        (_stats([1, 4, 8], [12, 4, 1], [0.12, 0.1, 0.04]),
-         _stats([1, 4, 8], [12, 6, 2], [0.12, 0.15, 0.08])),
-    ]  # fmt: skip
+        (
+            _stats([1, 4, 8], [12, 4, 1], [0.12, 0.1, 0.04]),
+            _stats([1, 4, 8], [12, 6, 2], [0.12, 0.15, 0.08]),
+        ),
+    ]
     rows = emulated.service_curve(spans)
     assert rows == [
         {"batch": 1, "batches": 2, "service_ms": pytest.approx(10.0, rel=1e-5)},
@@ -72,11 +90,17 @@ def test_curve_points_prefer_per_size_rows_then_the_mean_batch() -> None:
     rounded to a size, and seconds not scaled back from ms per batch to a total."""
     rows = [{"batch": 2, "batches": 5, "service_ms": 20.0}]
     assert bench_scale.curve_points({"service_curve": rows}) == {2: (5, pytest.approx(0.1))}
-    fallback = {"service_curve": None, "hub_batches": 10, "mean_batch_size": 3.6,
-                "batch_service_ms": 30.0}  # fmt: skip
+    fallback = {
+        "service_curve": None,
+        "hub_batches": 10,
+        "mean_batch_size": 3.6,
+        "batch_service_ms": 30.0,
+    }
     assert bench_scale.curve_points(fallback) == {4: (10, pytest.approx(0.3))}
-    assert bench_scale.curve_points({"service_curve": None, "hub_batches": 0,
-                                     "mean_batch_size": None}) == {}  # fmt: skip
+    assert (
+        bench_scale.curve_points({"service_curve": None, "hub_batches": 0, "mean_batch_size": None})
+        == {}
+    )
 
 
 def test_pooled_points_weigh_by_batches() -> None:
@@ -85,8 +109,12 @@ def test_pooled_points_weigh_by_batches() -> None:
 
 
 def _run(n: int, tokens: float, busy: float = 1.0, rss: float = 400.0) -> dict:
-    return {"n_targets": n, "system_tokens_per_s": tokens, "hub_busy_fraction": busy,
-            "hub_rss_peak_mb": rss}  # fmt: skip
+    return {
+        "n_targets": n,
+        "system_tokens_per_s": tokens,
+        "hub_busy_fraction": busy,
+        "hub_rss_peak_mb": rss,
+    }
 
 
 def test_hubs_compared_at_saturation_and_per_n() -> None:
@@ -97,17 +125,27 @@ def test_hubs_compared_at_saturation_and_per_n() -> None:
     out = bench_scale.compare_hubs(one, batched, one_full=2, batched_full=8)
     assert out["saturated_tokens_per_s"] == {"one-at-a-time": 200, "batched": 1200}
     assert out["saturated_throughput_ratio"] == pytest.approx(6.0)
-    assert out["throughput_ratio_by_n"] == {"1": 1.0, "2": pytest.approx(250 / 190),
-                                            "4": 3.0, "8": pytest.approx(1200 / 180)}
+    assert out["throughput_ratio_by_n"] == {
+        "1": 1.0,
+        "2": pytest.approx(250 / 190),
+        "4": 3.0,
+        "8": pytest.approx(1200 / 180),
+    }
 
 
 def test_busy_from_n_full_and_the_rss_bound() -> None:
     """Catches: busy checked below N_full too (N = 1 idles by design), and the RSS bound taken
     against the first N, the largest RSS of any N, or in the wrong direction."""
-    runs = [_run(1, 1, 0.4, 380.0), _run(2, 1, 0.97, 400.0), _run(4, 1, 0.96, 450.0),
-            _run(8, 1, 0.99, 440.0)]  # fmt: skip
-    assert bench_scale.busy_from(runs, 2) == {"min_busy_from_n_full": 0.96,
-                                              "busy_from_n_full_ok": True}  # fmt: skip
+    runs = [
+        _run(1, 1, 0.4, 380.0),
+        _run(2, 1, 0.97, 400.0),
+        _run(4, 1, 0.96, 450.0),
+        _run(8, 1, 0.99, 440.0),
+    ]
+    assert bench_scale.busy_from(runs, 2) == {
+        "min_busy_from_n_full": 0.96,
+        "busy_from_n_full_ok": True,
+    }
     assert bench_scale.busy_from(runs, 1)["busy_from_n_full_ok"] is False
     ok = bench_scale.rss_bound(runs, 480.0)  # peak N = 8 at 440 MiB: 1.09x
     assert ok["peak_n"] == 8 and ok["rss_at_peak_n_mb"] == 440.0
@@ -120,7 +158,8 @@ def test_batched_inputs_carry_the_limit_and_the_curve() -> None:
     inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.008, 0.001, 0.008)
     built = bench_scale.batched_inputs(inputs, 64, [(8, 0.01), (1, 0.005)])
     assert built is not None and built.max_batch == 64 and built.curve is not None
-    assert built.curve.at(1) == pytest.approx(0.005) and built.curve.at(8) == pytest.approx(0.01)
+    assert built.curve.at(1, 4) == pytest.approx(0.005)
+    assert built.curve.at(8, 4) == pytest.approx(0.01)
     assert bench_scale.batched_inputs(inputs, 64, []) is None
 
 
@@ -136,16 +175,22 @@ def test_service_rows_and_ratio_checks() -> None:
     checks = bench_service.ratio_checks(rows)
     assert checks["s8_over_s1_ok"] is True  # 1.36 <= 1.5
     assert checks["s32_over_s1"] == pytest.approx(25 / 11) and checks["s32_over_s1_ok"] is True
-    over = bench_service.ratio_checks([{"batch": 1, "ratio_to_1": 1.0},
-                                       {"batch": 8, "ratio_to_1": 1.6}])  # fmt: skip
+    over = bench_service.ratio_checks(
+        [{"batch": 1, "ratio_to_1": 1.0}, {"batch": 8, "ratio_to_1": 1.6}]
+    )
     assert over["s8_over_s1_ok"] is False and over["s32_over_s1"] is None
 
 
 def test_kv_memory_theory(tmp_path: Path) -> None:
     """2 layers x (K, V) x 4 heads x 32 dims x 4 B = 2 KiB per token: 100 MiB for 100 sessions
     of 512 tokens (the default draft's shape)."""
-    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-              "hidden_size": 128, "head_dim": 32}  # fmt: skip
+    config = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "hidden_size": 128,
+        "head_dim": 32,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert bench_service.kv_mb_per_sessions(str(tmp_path), 100, 512) == pytest.approx(100.0)
     gpt2 = {"n_layer": 2, "n_head": 4, "n_embd": 128}
@@ -171,15 +216,21 @@ def test_main_suite_pairs_batched_with_one_at_a_time() -> None:
     cfg = bench.parse_args(["--quick"])
     plan = bench.batched_plan(cfg)
     assert [(r.mode, r.n, r.max_batch, r.concurrency) for r in plan] == [
-        ("one-for-many-batched", 2, 64, 2), ("one-for-many-one-at-a-time", 2, 1, 2),
-        ("one-for-many-one-at-a-time", 4, 1, 2), ("one-for-many-batched", 4, 64, 2)]
+        ("one-for-many-batched", 2, 64, 2),
+        ("one-for-many-one-at-a-time", 2, 1, 2),
+        ("one-for-many-one-at-a-time", 4, 1, 2),
+        ("one-for-many-batched", 4, 64, 2),
+    ]
     rows = [{"token_ids": [0] * 30, "stats": {"tokens_per_s": 10.0}}] * 2
     assert bench.decode_seconds(rows, 2) == pytest.approx(3.0)
-    runs = [{"mode": "one-for-many-batched", "n_targets": 2, "system_tokens_per_s": 300.0},
-            {"mode": "one-for-many-one-at-a-time", "n_targets": 2, "system_tokens_per_s": 200.0},
-            {"mode": "one-for-many", "n_targets": 2, "system_tokens_per_s": 1.0}]  # fmt: skip
+    runs = [
+        {"mode": "one-for-many-batched", "n_targets": 2, "system_tokens_per_s": 300.0},
+        {"mode": "one-for-many-one-at-a-time", "n_targets": 2, "system_tokens_per_s": 200.0},
+        {"mode": "one-for-many", "n_targets": 2, "system_tokens_per_s": 1.0},
+    ]
     assert bench.batched_comparison(runs) == {
-        "2": {"batched": 300.0, "one_at_a_time": 200.0, "ratio": 1.5}}
+        "2": {"batched": 300.0, "one_at_a_time": 200.0, "ratio": 1.5}
+    }
 
 
 def test_quick_scale_sweep_stops_at_128() -> None:
@@ -188,12 +239,12 @@ def test_quick_scale_sweep_stops_at_128() -> None:
     assert bench.parse_args(["--quick", "--scale-ns", "1", "256"]).scale_ns == (1, 256)
 
 
-# -------------------------------------------------- issue 15: gamma auto, pre-drafting
+# -------------------------------------------------- gamma auto, pre-drafting
 
-import bench_assisted  # noqa: E402
-import bench_common  # noqa: E402
-import bench_gamma  # noqa: E402
-import bench_predraft  # noqa: E402
+from scripts.bench import assisted as bench_assisted  # noqa: E402
+from scripts.bench import common as bench_common  # noqa: E402
+from scripts.bench import gamma as bench_gamma  # noqa: E402
+from scripts.bench import predraft as bench_predraft  # noqa: E402
 
 
 def test_gamma_order_rotates_every_mode_through_every_position() -> None:
@@ -204,8 +255,10 @@ def test_gamma_order_rotates_every_mode_through_every_position() -> None:
     firsts = [order[i * 5][1] for i in range(3)]
     assert firsts == [1, 2, 4]
     assert [m for n, m in order if n == 8] == [2, 4, 8, "auto", 1]
-    assert all(sorted(map(str, (m for n, m in order if n == k))) == sorted(map(str,
-               bench_gamma.MODES)) for k in (1, 8, 64))  # fmt: skip
+    assert all(
+        sorted(map(str, (m for n, m in order if n == k))) == sorted(map(str, bench_gamma.MODES))
+        for k in (1, 8, 64)
+    )
 
 
 def test_gamma_order_repeats_mirrored_and_reports_merge_by_median() -> None:
@@ -243,11 +296,21 @@ def test_settle_rounds_ignores_probes_and_needs_a_tail() -> None:
 def _report(n: int, tokens: float, gammas: dict[str, int] | None = None) -> dict:
     counts = gammas or {"4": 10}
     mean = sum(int(g) * c for g, c in counts.items()) / sum(counts.values())
-    return {"n_targets": n, "system_tokens_per_s": tokens, "per_target_tokens_per_s": tokens / n,
-            "hub_busy_fraction": 1.0, "acceptance_rate": 0.5, "mean_accepted": 2.0,
-            "latency_ms": {"mean": 1.0, "p50": 1.0, "p99": 1.0, "std": 0.0},
-            "bytes_per_round": 100.0, "queue_wait_ms": 1.0, "mean_gamma": mean,
-            "gamma_counts": counts, "alone_tokens": 0, "verify_ms": 22.0}  # fmt: skip
+    return {
+        "n_targets": n,
+        "system_tokens_per_s": tokens,
+        "per_target_tokens_per_s": tokens / n,
+        "hub_busy_fraction": 1.0,
+        "acceptance_rate": 0.5,
+        "mean_accepted": 2.0,
+        "latency_ms": {"mean": 1.0, "p50": 1.0, "p99": 1.0, "std": 0.0},
+        "bytes_per_round": 100.0,
+        "queue_wait_ms": 1.0,
+        "mean_gamma": mean,
+        "gamma_counts": counts,
+        "alone_tokens": 0,
+        "verify_ms": 22.0,
+    }
 
 
 def test_gamma_comparison_picks_the_best_fixed_gamma_per_n() -> None:
@@ -260,8 +323,16 @@ def test_gamma_comparison_picks_the_best_fixed_gamma_per_n() -> None:
         "gamma-fixed-8": [_report(1, 90), _report(8, 450)],
         "gamma-auto": [_report(1, 118, {"2": 8, "0": 2}), _report(8, 460)],
     }
-    inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.022, 0.001, 0.016, max_batch=64,
-                                  curve=analytic.ServiceCurve(((1, 0.005), (8, 0.01))))
+    inputs = analytic.ModelInputs(
+        0.7,
+        4,
+        0.005,
+        0.022,
+        0.001,
+        0.016,
+        max_batch=64,
+        curve=ServiceCurve.proportional(((1, 0.005), (8, 0.01)), 4),
+    )
     out = bench_gamma.compare(reports, inputs)
     one, eight = out["by_n"]["1"], out["by_n"]["8"]
     assert one["best_fixed"] == 2 and one["auto_over_best_fixed"] == pytest.approx(118 / 120)
@@ -272,13 +343,20 @@ def test_gamma_comparison_picks_the_best_fixed_gamma_per_n() -> None:
     assert set(one["model"]["fixed_tokens_per_s"]) == {"1", "2", "4", "8"}
     records = bench_gamma.records(reports, inputs)
     assert len(records) == 10 and {r["mode"] for r in records} == {
-        "gamma-fixed-1", "gamma-fixed-2", "gamma-fixed-4", "gamma-fixed-8", "gamma-auto"}
+        "gamma-fixed-1",
+        "gamma-fixed-2",
+        "gamma-fixed-4",
+        "gamma-fixed-8",
+        "gamma-auto",
+    }
     auto_one = next(r for r in records if r["mode"] == "gamma-auto" and r["n_targets"] == 1)
     assert auto_one["predicted_system_tokens_per_s"] == pytest.approx(
-        analytic.auto_gamma(inputs, 1)[1].system_tokens_per_s)
+        analytic.auto_gamma(inputs, 1)[1].system_tokens_per_s
+    )
     fixed_eight = next(r for r in records if r["mode"] == "gamma-fixed-8" and r["n_targets"] == 8)
     assert fixed_eight["predicted_system_tokens_per_s"] == pytest.approx(
-        analytic.predict_at(inputs, 8, 8).system_tokens_per_s)
+        analytic.predict_at(inputs, 8, 8).system_tokens_per_s
+    )
     # the comparison's own inputs: its fixed-4 runs' verify time, T_alone = auto_verify_ms
     own = bench_gamma.model_inputs(bench.parse_args([]), inputs, reports)
     assert own is not None and own.verify_s == pytest.approx(0.022)
@@ -355,24 +433,32 @@ def test_paired_rotation_and_summary() -> None:
     results = {
         "hf-assisted": [{"tokens_per_s": x, "token_ids": ids} for x in (80, 90, 200)],
         "centralized": [{"tokens_per_s": x, "mean_accepted": 3.0} for x in (100, 100, 100)],
-        "hub-defaults": [{"tokens_per_s": x, "token_ids": ids, "mean_accepted": 2.5}
-                         for x in (99, 101, 1)],
-        "hub-gamma4-no-predraft": [{"tokens_per_s": 95.0, "token_ids": [[1, 2], [4]],
-                                    "mean_accepted": 2.8}] * 3,
-    }  # fmt: skip
+        "hub-defaults": [
+            {"tokens_per_s": x, "token_ids": ids, "mean_accepted": 2.5} for x in (99, 101, 1)
+        ],
+        "hub-gamma4-no-predraft": [
+            {"tokens_per_s": 95.0, "token_ids": [[1, 2], [4]], "mean_accepted": 2.8}
+        ]
+        * 3,
+    }
     out = bench_assisted.summary(results, order, ids, {})
     assert out["median_tokens_per_s"]["hf-assisted"] == 90
     assert out["ratios"]["hub_defaults_over_hf"] == pytest.approx(99 / 90)
     assert out["ratios"]["hub_defaults_over_centralized"] == pytest.approx(0.99)
     assert out["met"] == {"hub_over_hf": True, "hub_over_centralized": True}
-    assert out["identical_to_target_alone"] == {"hf-assisted": True, "hub-defaults": True,
-                                                "hub-gamma4-no-predraft": False}  # fmt: skip
+    assert out["identical_to_target_alone"] == {
+        "hf-assisted": True,
+        "hub-defaults": True,
+        "hub-gamma4-no-predraft": False,
+    }
     assert out["ratios_per_rep"]["hub_defaults_over_hf"][2] == pytest.approx(1 / 200)
     # the defaults against pre-drafting alone (gamma 4): auto's effect with pre-drafting on
     results["hub-gamma4-predraft"] = [{"tokens_per_s": 110.0, "token_ids": ids}] * 3
     effects = bench_assisted.summary(results, order, ids, {})["feature_effects"]
-    assert effects == {"auto_with_predraft": pytest.approx(99 / 110),
-                       "predraft_at_gamma4": pytest.approx(110 / 95)}
+    assert effects == {
+        "auto_with_predraft": pytest.approx(99 / 110),
+        "predraft_at_gamma4": pytest.approx(110 / 95),
+    }
 
 
 def test_predraft_cases_alternate_and_compare_against_one_step() -> None:
@@ -386,13 +472,25 @@ def test_predraft_cases_alternate_and_compare_against_one_step() -> None:
     assert [(n, t) for n, t, _ in twice[:4]] == [(1, 0.0), (1, 0.0), (2, 0.0), (2, 0.0)]
 
     def row(hub: str, n: int, wait: float, rate: float) -> dict:
-        return {"n_targets": n, "temperature": 0.0, "hub": hub, "system_tokens_per_s": rate,
-                "hit_rate": 0.4 if hub == "predraft" else 0.0, "queue_wait_ms": wait,
-                "mean_gamma": 4.0, "mean_accepted": 2.0}  # fmt: skip
+        return {
+            "n_targets": n,
+            "temperature": 0.0,
+            "hub": hub,
+            "system_tokens_per_s": rate,
+            "hit_rate": 0.4 if hub == "predraft" else 0.0,
+            "queue_wait_ms": wait,
+            "mean_gamma": 4.0,
+            "mean_accepted": 2.0,
+        }
 
-    rows = [row("predraft", 1, 1.5, 120.0), row("no-predraft", 1, 0.5, 100.0),
-            row("predraft", 2, 3.0, 150.0), row("no-predraft", 2, 0.5, 150.0),
-            row("predraft", 1, 1.3, 80.0), row("predraft", 1, 9.0, 130.0)]  # medians: 1.5, 120
+    rows = [
+        row("predraft", 1, 1.5, 120.0),
+        row("no-predraft", 1, 0.5, 100.0),
+        row("predraft", 2, 3.0, 150.0),
+        row("no-predraft", 2, 0.5, 150.0),
+        row("predraft", 1, 1.3, 80.0),
+        row("predraft", 1, 9.0, 130.0),
+    ]  # medians: 1.5, 120
     steps = {"1": {"max_ms": 1.2}, "2": {"max_ms": 2.0}}
     inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.01, 0.001, 0.02)
     out = bench_predraft.summary(rows, steps, inputs)
@@ -402,12 +500,27 @@ def test_predraft_cases_alternate_and_compare_against_one_step() -> None:
     assert one["throughput_ratio"] == pytest.approx(1.2) and out["all_within_one_step"] is False
     assert one["predicted_ratio"] > 1.0  # under-loaded: hits shorten the round
     assert one["predraft"]["runs"] == 3 and one["predraft"]["system_tokens_per_s_each"] == [
-        120.0, 80.0, 130.0]
-    emulated = bench_predraft.emulated_summary([
-        {"n_targets": 1, "hub": "predraft", "queue_wait_ms": 1.0,
-         "proposal_wait_ms": {"p50": 5.0, "p99": 9.0}},
-        {"n_targets": 1, "hub": "no-predraft", "queue_wait_ms": 0.1,
-         "proposal_wait_ms": {"p50": 4.0, "p99": 6.0}}], steps)  # fmt: skip
+        120.0,
+        80.0,
+        130.0,
+    ]
+    emulated = bench_predraft.emulated_summary(
+        [
+            {
+                "n_targets": 1,
+                "hub": "predraft",
+                "queue_wait_ms": 1.0,
+                "proposal_wait_ms": {"p50": 5.0, "p99": 9.0},
+            },
+            {
+                "n_targets": 1,
+                "hub": "no-predraft",
+                "queue_wait_ms": 0.1,
+                "proposal_wait_ms": {"p50": 4.0, "p99": 6.0},
+            },
+        ],
+        steps,
+    )
     case = emulated["by_n"]["1"]
     assert case["added_queue_wait_ms"] == pytest.approx(0.9) and case["within_one_step"]
     assert case["added_proposal_wait_p99_ms"] == pytest.approx(3.0)

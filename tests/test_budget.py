@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from starsd.hub.budget import PeerBudget, Rates
+from starsd.budget import PeerBudget, Rates
 from starsd.logsafe import Throttle, printable
 
 

@@ -18,15 +18,19 @@ from starsd.protocol import Close, Opened, SamplingParams
 
 
 @pytest.mark.parametrize("how", ["cancelled", "timed out"])
-async def test_an_opened_nobody_claims_is_closed(how: str, monkeypatch: pytest.MonkeyPatch
-                                                 ) -> None:  # fmt: skip
+async def test_an_opened_nobody_claims_is_closed(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bug caught: a session opened on the hub for a sequence that no longer exists."""
     sent: list[protocol.Message] = []
 
     async def send(sock: object, msg: protocol.Message) -> None:
         sent.append(msg)
 
+    def send_nowait(sock: object, msg: protocol.Message) -> bool:
+        sent.append(msg)
+        return True
+
     monkeypatch.setattr(client_module.transport, "send", send)
+    monkeypatch.setattr(client_module.transport, "send_nowait", send_nowait)
     ctx = transport.new_context()
     client = HubClient(ctx, "tcp://127.0.0.1:1", TargetInfo("t", 8, "f"))
     try:

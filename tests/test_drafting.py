@@ -18,7 +18,8 @@ import torch
 from scipy import stats
 from test_eagle import eagle_state, write_head
 
-from starsd import eagle, models, sampling
+from starsd import models, sampling
+from starsd.hub.drafters import eagle_head as eagle
 from starsd.hub.drafters.base import ChainState, DraftJob, Proposer
 from starsd.hub.drafters.eagle import EagleProposer
 from starsd.hub.drafters.llm import LlmProposer
@@ -28,8 +29,9 @@ PROMPTS = [[5, 17, 33, 8], [3, 4], [21, 22, 23, 24, 25, 26, 27, 28, 29], [40], [
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
-def draft(request: pytest.FixtureRequest, llama_pair: tuple[Path, Path],
-          gpt2_pair: tuple[Path, Path]) -> models.LoadedModel:  # fmt: skip
+def draft(
+    request: pytest.FixtureRequest, llama_pair: tuple[Path, Path], gpt2_pair: tuple[Path, Path]
+) -> models.LoadedModel:
     pair = {"llama": llama_pair, "gpt2": gpt2_pair}[request.param]
     return models.load_causal_lm(pair[1])
 
@@ -46,8 +48,13 @@ def greedy_oracle(draft: models.LoadedModel, tokens: list[int], gamma: int) -> l
 class Session:
     """One session drafted by two proposers: batched and alone."""
 
-    def __init__(self, proposers: tuple[Proposer, Proposer], prompt: list[int],
-                 params: SamplingParams, gamma: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        proposers: tuple[Proposer, Proposer],
+        prompt: list[int],
+        params: SamplingParams,
+        gamma: int,
+    ) -> None:
         self.states = [p.new_state(prompt, params, gamma) for p in proposers]
         self.seq, self.verdict = 0, (0, ())
 
@@ -60,8 +67,9 @@ class Session:
         self.verdict = (rng.randint(0, len(proposal.tokens)), (rng.randint(3, 60),))
 
 
-def run_rounds(proposers: tuple[Proposer, Proposer], sessions: list[Session], rounds: int,
-               rng: random.Random) -> list[tuple[Session, Proposal, Proposal]]:  # fmt: skip
+def run_rounds(
+    proposers: tuple[Proposer, Proposer], sessions: list[Session], rounds: int, rng: random.Random
+) -> list[tuple[Session, Proposal, Proposal]]:
     """Each round a random subset of sessions has a job (joining, pausing, leaving)."""
     batched, alone = proposers
     seen = []
@@ -85,8 +93,10 @@ def test_greedy_batched_drafts_equal_drafts_alone_and_the_oracle(draft: models.L
     disturbing the others (sessions come and go at random; gammas differ)."""
     proposers = (LlmProposer(draft), LlmProposer(draft))
     rng = random.Random(0)
-    sessions = [Session(proposers, p, SamplingParams(), gamma)
-                for p, gamma in zip(PROMPTS, [4, 1, 3, 5, 2], strict=True)]  # fmt: skip
+    sessions = [
+        Session(proposers, p, SamplingParams(), gamma)
+        for p, gamma in zip(PROMPTS, [4, 1, 3, 5, 2], strict=True)
+    ]
     seen = run_rounds(proposers, sessions, 8, rng)
     assert len(seen) > 20
     for _session, together, apart in seen:
@@ -101,8 +111,13 @@ def test_sampled_rows_draw_with_their_own_generator(draft: models.LoadedModel) -
     """Catches a batch that shares randomness between sessions or draws from another row's q:
     a seeded session's tokens and q rows must not depend on who shares its batch."""
     proposers = (LlmProposer(draft), LlmProposer(draft))
-    params = [SamplingParams(0.7, seed=1), SamplingParams(1.0, top_k=5, seed=2),
-              SamplingParams(0.9, top_p=0.8, seed=3), SamplingParams(), SamplingParams(seed=4)]
+    params = [
+        SamplingParams(0.7, seed=1),
+        SamplingParams(1.0, top_k=5, seed=2),
+        SamplingParams(0.9, top_p=0.8, seed=3),
+        SamplingParams(),
+        SamplingParams(seed=4),
+    ]
     sessions = [Session(proposers, p, sp, 3) for p, sp in zip(PROMPTS, params, strict=True)]
     for _session, together, apart in run_rounds(proposers, sessions, 6, random.Random(1)):
         assert together.tokens.tolist() == apart.tokens.tolist()
@@ -121,8 +136,16 @@ def test_sampled_tokens_follow_the_drafts_own_distribution(draft: models.LoadedM
     reversed), as does q computed from the wrong position."""
     proposer = LlmProposer(draft)
     prompts, params = (PROMPTS[0], PROMPTS[2]), SamplingParams(1.0, top_k=8)
-    jobs = [DraftJob(b"%d" % i, 0, proposer.new_state(prompts[i % 2], SamplingParams(
-        1.0, top_k=8, seed=i), 1), 0, ()) for i in range(1600)]  # fmt: skip
+    jobs = [
+        DraftJob(
+            b"%d" % i,
+            0,
+            proposer.new_state(prompts[i % 2], SamplingParams(1.0, top_k=8, seed=i), 1),
+            0,
+            (),
+        )
+        for i in range(1600)
+    ]
     counts: list[Counter] = [Counter(), Counter()]
     for start in range(0, len(jobs), 64):
         for i, result in enumerate(proposer.propose(jobs[start : start + 64]), start):
@@ -149,8 +172,11 @@ def test_a_failing_session_costs_only_its_own_job(draft: models.LoadedModel) -> 
     proposer.propose([DraftJob(b"b", 0, broken, 0, ())])  # give it a cache, then break it
     assert broken.cache.kv is not None
     broken.cache.kv = torch.cat([broken.cache.kv, broken.cache.kv[..., :1]], -1)  # head size + 1
-    jobs = [DraftJob(b"f", 0, full, 0, ()), DraftJob(b"b", 1, broken, 0, (7,)),
-            *[DraftJob(b"g%d" % i, 0, s, 0, ()) for i, s in enumerate(good)]]  # fmt: skip
+    jobs = [
+        DraftJob(b"f", 0, full, 0, ()),
+        DraftJob(b"b", 1, broken, 0, (7,)),
+        *[DraftJob(b"g%d" % i, 0, s, 0, ()) for i, s in enumerate(good)],
+    ]
     results = proposer.propose(jobs)
     assert isinstance(results[0], Error) and results[0].code == ErrorCode.CONTEXT_FULL
     assert isinstance(results[1], Error) and results[1].code == ErrorCode.INTERNAL
@@ -181,16 +207,19 @@ def test_a_sessions_cache_stays_compact_and_bounded(draft: models.LoadedModel) -
 
 
 @pytest.fixture(scope="module")
-def head(llama_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-         ) -> eagle.LoadedEagle:  # fmt: skip
+def head(
+    llama_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> eagle.LoadedEagle:
     target_dir = llama_pair[0]
-    head_dir = write_head(tmp_path_factory.mktemp("eagle-batch"), target_dir,
-                          eagle_state(target_dir))  # fmt: skip
+    head_dir = write_head(
+        tmp_path_factory.mktemp("eagle-batch"), target_dir, eagle_state(target_dir)
+    )
     return eagle.load_eagle_head(head_dir, target_dir)
 
 
-def eagle_oracle(head: eagle.LoadedEagle, tokens: list[int], features: torch.Tensor,
-                 proposal: list[int]) -> torch.Tensor:  # fmt: skip
+def eagle_oracle(
+    head: eagle.LoadedEagle, tokens: list[int], features: torch.Tensor, proposal: list[int]
+) -> torch.Tensor:
     """The head's draft logits [gamma, V] along ``proposal``, with its single-sequence path
     (EagleCache) fed every real pair from scratch."""
     cache = head.new_cache()
@@ -227,12 +256,14 @@ def test_eagle_batched_drafts_equal_the_single_sequence_head(head: eagle.LoadedE
             accepted = min(1, len(result.tokens))
             new = torch.randn(accepted + 1, width, generator=rng).half().float()
             features[i] = torch.cat([features[i], new])
-            jobs.append(DraftJob(b"%d" % i, _round + 1, state, accepted, (7,),
-                                 features=new.numpy()))  # fmt: skip
+            jobs.append(
+                DraftJob(b"%d" % i, _round + 1, state, accepted, (7,), features=new.numpy())
+            )
 
 
-def _check_eagle(head: eagle.LoadedEagle, state: ChainState, features: torch.Tensor,
-                 result: Proposal) -> None:  # fmt: skip
+def _check_eagle(
+    head: eagle.LoadedEagle, state: ChainState, features: torch.Tensor, result: Proposal
+) -> None:
     proposal = result.tokens.tolist()
     if len(state.tokens) == 1:  # nothing to extrapolate from yet
         assert proposal == []

@@ -7,8 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from procs import ENV, REPO, HubProcess, read_jsonl, reference, target_cmd, write_prompts
+from procs import ENV, REPO, HubProcess, read_jsonl, reference, target_cmd
 from tiny_models import build_pair, build_tokenizer
+
+from scripts.bench.harness import write_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +51,9 @@ def _run_targets(cmds: list[list[str]], tmp_path: Path) -> list[list[dict]]:
     procs = []
     for cmd, log in zip(cmds, logs, strict=True):
         with log.open("w") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV,
-                                          cwd=REPO))  # fmt: skip
+            procs.append(
+                subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=REPO)
+            )
     for proc, log in zip(procs, logs, strict=True):
         proc.wait(timeout=180)
         assert proc.returncode == 0, log.read_text()[-4000:]
@@ -68,8 +71,11 @@ def test_three_targets_greedy_equal_target_alone(family: str, tmp_path: Path, st
     cmds = []
     for t in range(3):  # each target gets two of the prompts, and keeps both in flight
         prompts = _write_prompts(tmp_path / f"in{t}.jsonl", PROMPTS[2 * t : 2 * t + 2])
-        cmds.append(_target_cmd(hub.endpoint, target_dir, prompts, tmp_path / f"out{t}.jsonl",
-                                "--concurrency", "2"))  # fmt: skip
+        cmds.append(
+            _target_cmd(
+                hub.endpoint, target_dir, prompts, tmp_path / f"out{t}.jsonl", "--concurrency", "2"
+            )
+        )
     results = _run_targets(cmds, tmp_path)
     rounds = accepted = 0
     for t, rows in enumerate(results):
@@ -94,13 +100,36 @@ def test_seeded_sampling_is_reproducible(tmp_path: Path, start_hub) -> None:
     # A fixed gamma: under the hub's --gamma auto the rounds verified and the spans decoded
     # alone depend on timing, and each draws from the seeded generator differently (the
     # distribution is p's either way; the realisation is reproducible only round for round).
-    sampled = ("--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--concurrency", "2",
-               "--gamma", "4")
+    sampled = (
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.95",
+        "--concurrency",
+        "2",
+        "--gamma",
+        "4",
+    )
     first, second, other = (
-        [r["token_ids"] for r in rows] for rows in _run_targets(
-            [_target_cmd(hub.endpoint, target_dir, prompts, tmp_path / f"s{i}.jsonl", *sampled,
-                         "--seed", str(seed)) for i, seed in enumerate((7, 7, 1000))],
-            tmp_path))  # fmt: skip
+        [r["token_ids"] for r in rows]
+        for rows in _run_targets(
+            [
+                _target_cmd(
+                    hub.endpoint,
+                    target_dir,
+                    prompts,
+                    tmp_path / f"s{i}.jsonl",
+                    *sampled,
+                    "--seed",
+                    str(seed),
+                )
+                for i, seed in enumerate((7, 7, 1000))
+            ],
+            tmp_path,
+        )
+    )
     assert first == second
     assert all(len(ids) == 24 for ids in first)
     assert other != first
@@ -113,9 +142,15 @@ def test_a_target_with_another_tokenizer_is_refused_at_hello(tmp_path: Path, sta
     target_dir, _ = build_pair(tmp_path / "b", "llama", tokenizer=other)
     hub = start_hub(draft_dir)
     prompts = _write_prompts(tmp_path / "in.jsonl", PROMPTS[:1])
-    proc = subprocess.run(_target_cmd(hub.endpoint, target_dir, prompts, tmp_path / "o.jsonl"),
-                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120,
-                          check=False)  # fmt: skip
+    proc = subprocess.run(
+        _target_cmd(hub.endpoint, target_dir, prompts, tmp_path / "o.jsonl"),
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2
     assert "INCOMPATIBLE" in proc.stderr and "tokenizer differs" in proc.stderr
     assert hub.stop() == 0

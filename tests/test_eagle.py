@@ -1,4 +1,4 @@
-"""The EAGLE-1 head (starsd/eagle.py): checkpoint layout, caching, target weights, features."""
+"""The EAGLE-1 head (starsd/hub/drafters/eagle_head.py): checkpoint, caching, target weights."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from starsd import models
-from starsd.eagle import (
+from starsd.hub.drafters.eagle_head import (
     EagleCache,
     EagleConfig,
     EagleHead,
@@ -293,9 +293,14 @@ def _untied_sharded_target(root: Path) -> Path:
     torch.manual_seed(7)
     tokenizer: Any = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(root, max_shard_size="100KB")
     tokenizer.save_pretrained(root)
     return root
@@ -339,9 +344,13 @@ def test_features_are_post_norm_last_hidden_states(
 
 def test_cache_starts_empty_with_head_shape() -> None:
     config = EagleConfig(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=11,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=11,
+    )
     cache = EagleCache(config, torch.float32, torch.device("cpu"))
     assert cache.length == 0 and tuple(cache.k.shape) == (2, 0, 8)
     head = EagleHead(config).eval()

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROMPT
-from procs import HubProcess, TargetProcess, reference, write_prompts
+from procs import HubProcess, TargetProcess, reference
 from scipy import stats
 from test_eagle import eagle_state, write_head
 
 from edge.backends.torch import TorchBackend
 from edge.verifier import TargetSequence
+from scripts.bench.harness import write_prompts
 from starsd import hub as hub_module
 from starsd import models, protocol, sampling
 from starsd.hub.drafters.base import DraftJob
@@ -29,14 +30,16 @@ def head_dir(llama_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 def eagle_hub(llama_pair: tuple[Path, Path], head_dir: Path) -> hub_module.Hub:
-    config = hub_module.HubConfig(model=str(head_dir), draft_kind="eagle",
-                                  target=str(llama_pair[0]))  # fmt: skip
+    config = hub_module.HubConfig(
+        model=str(head_dir), draft_kind="eagle", target=str(llama_pair[0])
+    )
     return hub_module.build_hub(config)
 
 
 def _hello(target: models.LoadedModel, width: int) -> list:
-    return protocol.encode(Hello("t", target.vocab_size, target.tokenizer_fingerprint,
-                                 feature_width=width))  # fmt: skip
+    return protocol.encode(
+        Hello("t", target.vocab_size, target.tokenizer_fingerprint, feature_width=width)
+    )
 
 
 def test_hello_without_features_is_refused_at_once(
@@ -56,15 +59,22 @@ def test_bad_features_get_an_error_and_change_nothing(
 ) -> None:
     eagle_hub.handle(b"eagle", _hello(llama_target, 64))
     good = np.zeros((len(PROMPT) - 1, 64), dtype=np.float16)
-    bad = {"missing": None, "wide": np.zeros((3, 65), np.float16), "rows": good[:1],
-           "float32": good.astype(np.float32), "nan": np.full_like(good, np.nan)}[case]  # fmt: skip
+    bad = {
+        "missing": None,
+        "wide": np.zeros((3, 65), np.float16),
+        "rows": good[:1],
+        "float32": good.astype(np.float32),
+        "nan": np.full_like(good, np.nan),
+    }[case]
     sessions = dict(eagle_hub.sessions)
-    (reply,) = eagle_hub.handle(b"eagle", protocol.encode(
-        Open(1, PROMPT, SamplingParams(), 4, bad)))  # fmt: skip
+    (reply,) = eagle_hub.handle(
+        b"eagle", protocol.encode(Open(1, PROMPT, SamplingParams(), 4, bad))
+    )
     assert isinstance(reply, Error) and reply.code == ErrorCode.INVALID_ARGUMENT, reply
     assert eagle_hub.sessions == sessions
-    (opened,) = eagle_hub.handle(b"eagle", protocol.encode(
-        Open(2, PROMPT, SamplingParams(), 4, good)))  # fmt: skip
+    (opened,) = eagle_hub.handle(
+        b"eagle", protocol.encode(Open(2, PROMPT, SamplingParams(), 4, good))
+    )
     assert isinstance(opened, Opened)
     session = eagle_hub.sessions[opened.tag]
     session.in_flight = False  # no drafting thread here: pretend proposal 0 went out
@@ -87,23 +97,32 @@ def _eagle_rounds(hub: hub_module.Hub, seq: TargetSequence, gamma: int) -> list[
         synced = seq.committed
         q = None
         if not seq.params.greedy and len(proposal.tokens):
-            support = None if proposal.q_support is None else torch.from_numpy(
-                proposal.q_support.astype(np.int64))  # fmt: skip
-            q = sampling.dense_q(torch.from_numpy(proposal.q_probs), support,
-                                 seq.info.vocab_size)  # fmt: skip
+            support = (
+                None
+                if proposal.q_support is None
+                else torch.from_numpy(proposal.q_support.astype(np.int64))
+            )
+            q = sampling.dense_q(torch.from_numpy(proposal.q_probs), support, seq.info.vocab_size)
         accepted, appended = seq.verify([int(t) for t in proposal.tokens], q)
         accepted_per_round.append(accepted)
-        job = DraftJob(b"t", job.seq + 1, state, accepted, tuple(appended),
-                       features=seq.features(synced - 1, seq.committed - 1))  # fmt: skip
+        job = DraftJob(
+            b"t",
+            job.seq + 1,
+            state,
+            accepted,
+            tuple(appended),
+            features=seq.features(synced - 1, seq.committed - 1),
+        )
     return accepted_per_round
 
 
 @pytest.fixture(scope="module")
 def trained_hub() -> hub_module.Hub:
     """The committed default target with its committed, trained EAGLE head."""
-    head = models.DEFAULT_TARGET_DIR.parent / "starsd-eagle"
-    config = hub_module.HubConfig(model=str(head), draft_kind="eagle",
-                                  target=str(models.DEFAULT_TARGET_DIR))  # fmt: skip
+    head = models.TOY_TARGET_DIR.parent / "starsd-eagle"
+    config = hub_module.HubConfig(
+        model=str(head), draft_kind="eagle", target=str(models.TOY_TARGET_DIR)
+    )
     return hub_module.build_hub(config)
 
 
@@ -114,7 +133,7 @@ def test_in_process_greedy_equals_target_alone(trained_hub: hub_module.Hub) -> N
     The trained head accepts none, some and all of a proposal in different rounds; the random
     test head accepts nothing, so with it no accepted draft is ever verified.
     """
-    target = models.load_causal_lm(models.DEFAULT_TARGET_DIR)
+    target = models.load_causal_lm(models.TOY_TARGET_DIR)
     to_be = models.encode_text(target, "To be, or not to be")
     long = models.encode_text(target, "Now is the winter of our discontent made glorious summer")
     backend = TorchBackend(target)
@@ -123,9 +142,14 @@ def test_in_process_greedy_equals_target_alone(trained_hub: hub_module.Hub) -> N
         seq = TargetSequence(backend, prompt, SamplingParams(), 40, collect_features=True)
         rounds += _eagle_rounds(trained_hub, seq, 4)
         ids = torch.tensor([prompt])
-        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=40, eos_token_id=sorted(target.eos_token_ids),
-                                    pad_token_id=0)  # fmt: skip
+        out = target.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=40,
+            eos_token_id=sorted(target.eos_token_ids),
+            pad_token_id=0,
+        )
         assert seq.generated == out[0, len(prompt) :].tolist(), prompt
     assert {0, 4} <= set(rounds) and set(rounds) & {1, 2, 3}, rounds
     # 2.97 here; a drafter that keeps its own guesses in the cache gets 1.8, one that chains
@@ -163,8 +187,9 @@ def test_sampling_through_eagle_matches_the_target_distribution(
     counts: dict[tuple[int, int], int] = {}
     backend = TorchBackend(llama_target)
     for trial in range(trials):
-        seq = TargetSequence(backend, prompt, SamplingParams(1.0, 20, 1.0, trial), 2,
-                             collect_features=True)  # fmt: skip
+        seq = TargetSequence(
+            backend, prompt, SamplingParams(1.0, 20, 1.0, trial), 2, collect_features=True
+        )
         _eagle_rounds(quiet_hub, seq, 3)
         key = (seq.generated[0], seq.generated[1])
         counts[key] = counts.get(key, 0) + 1
@@ -177,8 +202,9 @@ def test_sampling_through_eagle_matches_the_target_distribution(
     assert result.pvalue > 1e-3, (result, observed)
 
 
-def _two_token_law(target: models.LoadedModel, prompt: list[int],
-                   params: SamplingParams) -> dict[tuple[int, int], float]:  # fmt: skip
+def _two_token_law(
+    target: models.LoadedModel, prompt: list[int], params: SamplingParams
+) -> dict[tuple[int, int], float]:
     law = {}
     first = _probs(target, prompt, params)
     for a in torch.nonzero(first).flatten().tolist():
@@ -203,16 +229,39 @@ def test_three_targets_greedy_through_an_eagle_hub(tmp_path: Path) -> None:
     it every DRAFT carried one feature row). A refused DRAFT would fail the target or send it
     into fallback steps; the deadline is far beyond any round, so none are expected.
     """
-    target_dir = models.DEFAULT_TARGET_DIR
-    prompts = ["To be, or not to be", "Now is the winter", "All the world", "O",
-               "whether tis nobler", "Friends, Romans"]  # fmt: skip
-    hub = HubProcess(target_dir.parent / "starsd-eagle", tmp_path / "hub.log", "--draft-kind",
-                     "eagle", "--target", str(target_dir))  # fmt: skip
-    targets = [TargetProcess(hub.endpoint, target_dir,
-                             write_prompts(tmp_path / f"in{i}.jsonl", prompts[2 * i : 2 * i + 2]),
-                             tmp_path / f"out{i}.jsonl", "--concurrency", "2", "--deadline-ms",
-                             "60000", "--gamma", "4",  # every round a verified one
-                             max_new_tokens=32) for i in range(3)]  # fmt: skip
+    target_dir = models.TOY_TARGET_DIR
+    prompts = [
+        "To be, or not to be",
+        "Now is the winter",
+        "All the world",
+        "O",
+        "whether tis nobler",
+        "Friends, Romans",
+    ]
+    hub = HubProcess(
+        target_dir.parent / "starsd-eagle",
+        tmp_path / "hub.log",
+        "--draft-kind",
+        "eagle",
+        "--target",
+        str(target_dir),
+    )
+    targets = [
+        TargetProcess(
+            hub.endpoint,
+            target_dir,
+            write_prompts(tmp_path / f"in{i}.jsonl", prompts[2 * i : 2 * i + 2]),
+            tmp_path / f"out{i}.jsonl",
+            "--concurrency",
+            "2",
+            "--deadline-ms",
+            "60000",
+            "--gamma",
+            "4",  # every round a verified one
+            max_new_tokens=32,
+        )
+        for i in range(3)
+    ]
     rounds = accepted = 0
     for i, t in enumerate(targets):
         rows = t.wait()

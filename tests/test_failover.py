@@ -13,15 +13,25 @@ import signal
 from pathlib import Path
 
 import pytest
-from procs import HubProcess, TargetProcess, reference, wait_for, write_prompts
+from procs import HubProcess, TargetProcess, reference, wait_for
 from tiny_models import build_pair
+
+from scripts.bench.harness import write_prompts
 
 pytestmark = pytest.mark.slow
 
 HEARTBEAT_S = 0.3
 LONG = 100
-PROMPTS = ["To be, or not to be", "Now is the winter", "All the world", "whether tis nobler",
-           "the slings and arrows of", "O", "Friends, Romans", "Once more unto"]  # fmt: skip
+PROMPTS = [
+    "To be, or not to be",
+    "Now is the winter",
+    "All the world",
+    "whether tis nobler",
+    "the slings and arrows of",
+    "O",
+    "Friends, Romans",
+    "Once more unto",
+]
 # A deadline well past any proposal's wait on a loaded 2-core machine: a standalone step after
 # the move then means the target waited on the dead hub, not a slow survivor.
 TARGET_ARGS = ("--deadline-ms", "1500", "--resync-s", "5", "--concurrency", "4")
@@ -36,14 +46,24 @@ def test_two_hubs_three_targets_one_hub_killed_outputs_exact_and_sessions_move(
     tmp_path: Path, pair: tuple[Path, Path]
 ) -> None:
     expected = {p: reference(pair[0], p, LONG) for p in PROMPTS}
-    hubs = [HubProcess(pair[1], tmp_path / f"hub{i}.log", "--heartbeat-s", str(HEARTBEAT_S))
-            for i in range(2)]  # fmt: skip
+    hubs = [
+        HubProcess(pair[1], tmp_path / f"hub{i}.log", "--heartbeat-s", str(HEARTBEAT_S))
+        for i in range(2)
+    ]
     endpoints = ",".join(h.endpoint for h in hubs)
     targets = []
     for i in range(3):
         jsonl = write_prompts(tmp_path / f"t{i}.in.jsonl", PROMPTS * 3)
-        targets.append(TargetProcess(endpoints, pair[0], jsonl, tmp_path / f"t{i}.jsonl",
-                                     *TARGET_ARGS, max_new_tokens=LONG))  # fmt: skip
+        targets.append(
+            TargetProcess(
+                endpoints,
+                pair[0],
+                jsonl,
+                tmp_path / f"t{i}.jsonl",
+                *TARGET_ARGS,
+                max_new_tokens=LONG,
+            )
+        )
     for t in targets:
         wait_for(t.log_path, r"2 of 2 hubs serve this target", t.proc)
     victim, survivor = hubs
@@ -62,12 +82,18 @@ def test_two_hubs_three_targets_one_hub_killed_outputs_exact_and_sessions_move(
     # (moves counts a sequence once a proposal from its new hub was verified: the survivor is
     # the only live hub; its open-session count in the sampled stats lines need not rise above
     # the last line before the kill when the kill lands late in the run: CI saw 7 and 7)
-    assert all(f"to {survivor.endpoint}" in line for t in targets
-               for line in t.text().splitlines() if "sequence moved from hub" in line)
+    assert all(
+        f"to {survivor.endpoint}" in line
+        for t in targets
+        for line in t.text().splitlines()
+        if "sequence moved from hub" in line
+    )
     assert all(s["standalone_after_move"] == 0 for s in moved), moved
     resumed = sorted(s["resume_s"] for s in moved)
-    print(f"\n[failover] {len(moved)} sequences moved; detection -> speculating again on the "
-          f"survivor: median {resumed[len(resumed) // 2]:.3f} s, max {resumed[-1]:.3f} s "
-          f"(heartbeat {HEARTBEAT_S} s)")  # fmt: skip
+    print(
+        f"\n[failover] {len(moved)} sequences moved; detection -> speculating again on the "
+        f"survivor: median {resumed[len(resumed) // 2]:.3f} s, max {resumed[-1]:.3f} s "
+        f"(heartbeat {HEARTBEAT_S} s)"
+    )
     assert any("sequence moved from hub" in t.text() for t in targets)
     assert survivor.stop() == 0

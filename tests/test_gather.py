@@ -8,6 +8,8 @@ import time
 from starsd.gather import Returns
 from starsd.hub.drafters.base import ChainState, DraftJob
 from starsd.hub.engine import DraftingEngine
+from starsd.hub.pacing import Pacer
+from starsd.hub.policy import GammaPolicy
 from starsd.hub.scheduler import FairQueue
 from starsd.protocol import SamplingParams
 
@@ -47,8 +49,17 @@ def test_a_job_due_shortly_joins_the_batch() -> None:
     """Catches an engine that drafts whatever waits the moment it is free, so targets split
     into groups that take turns (measured: batches of 1 and 31 alternating at N = 32)."""
     q: FairQueue[DraftJob] = FairQueue()
-    engine = DraftingEngine(None, q, None, threading.Lock(), None, None,  # type: ignore[arg-type]
-                            max_batch=8)  # fmt: skip
+    pacer = Pacer(GammaPolicy(), None)
+    engine = DraftingEngine(
+        None,
+        pacer,
+        q,
+        None,
+        threading.Lock(),
+        None,
+        None,  # type: ignore[arg-type]
+        max_batch=8,
+    )
     assert engine.returns is not None
     engine.service_s = 0.5  # one batch's service time: the longest worth waiting
     state = ChainState([1], SamplingParams(), 4, None)  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 Loopback only, bounded in count and time. The in-process tests check the exact effect of an
 attack on the hub's state; the ``slow`` ones run a real hub process, attackers in their own
-processes (scripts/hostile.py, at nice 19) and a legitimate target beside them whose greedy
+processes (scripts/hostile/hostile.py, at nice 19) and a legitimate target beside them whose greedy
 output must equal the target alone and whose throughput is compared with its own quiet runs,
 alternated in the same test. Wire-level attacks (routing ids, unfinished messages): see
 tests/test_hostile_wire.py.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,20 +25,20 @@ from conftest import PROMPT, RawTarget
 from procs import HubProcess
 from test_hub import _greedy_reference, _speculate
 
+from scripts.hostile import hostile
 from starsd import hub as hub_module
 from starsd import models, protocol, transport
 from starsd.protocol import Draft, Error, ErrorCode, Open, Ping, Pong, SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import hostile
 
 
 @contextlib.asynccontextmanager
 async def serving(draft_dir: Path, **config: object) -> AsyncIterator[hub_module.Hub]:
     """An in-process hub on a random loopback port with ``config`` overrides."""
-    hub = hub_module.build_hub(hub_module.HubConfig(model=str(draft_dir),
-                                                    bind="tcp://127.0.0.1:*",
-                                                    stats_interval=3600, **config))  # type: ignore[arg-type]  # fmt: skip
+    hub = hub_module.build_hub(
+        hub_module.HubConfig(
+            model=str(draft_dir), bind="tcp://127.0.0.1:*", stats_interval=3600, **config
+        )
+    )  # type: ignore[arg-type]
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))
     while not hub.endpoint:
@@ -107,9 +107,15 @@ async def test_a_drain_with_a_backlog_keeps_its_timeout(
 ) -> None:
     """Attack 3, SIGTERM. Catches: a drain that drafts the whole backlog before exiting
     (79.6 s against --drain-timeout-s 5)."""
-    hub = hub_module.build_hub(hub_module.HubConfig(
-        model=str(llama_pair[1]), bind="tcp://127.0.0.1:*", drain_timeout_s=0.5,
-        max_sessions_per_target=200, max_batch=1))  # fmt: skip
+    hub = hub_module.build_hub(
+        hub_module.HubConfig(
+            model=str(llama_pair[1]),
+            bind="tcp://127.0.0.1:*",
+            drain_timeout_s=0.5,
+            max_sessions_per_target=200,
+            max_batch=1,
+        )
+    )
     # one job per call, 50 ms each: 100 jobs are 5 s of drafting (a batch is not interrupted)
     hub.engine.proposer = slow = _Slow(hub.proposer, 0.05)
     ctx = transport.new_context()
@@ -222,9 +228,7 @@ async def test_a_flooder_is_cut_to_its_budget_and_its_replies_are_not_logged(
 # ---------------------------------------------------------------- 7, 8: decoder and logs
 
 
-async def test_mixed_key_types_are_malformed_over_the_socket(
-    llama_pair: tuple[Path, Path]
-) -> None:
+async def test_mixed_key_types_are_malformed_over_the_socket(llama_pair: tuple[Path, Path]) -> None:
     """Attack 7. Catches: sorted() on str and bytes keys raising inside decode (INTERNAL and
     a traceback per message)."""
     async with serving(llama_pair[1]) as hub:
@@ -261,13 +265,19 @@ async def test_peer_strings_cannot_forge_log_lines(
 def committed_target() -> models.LoadedModel:
     """The committed target: a round costs real model work here, as in a deployment (with the
     tiny test models a round is all messaging, and any CPU an attacker takes shows 1:1)."""
-    return models.load_causal_lm(models.DEFAULT_TARGET_DIR)
+    return models.load_causal_lm(models.TOY_TARGET_DIR)
 
 
 @pytest.fixture
 def attacked_hub(tmp_path: Path) -> Iterator[HubProcess]:
-    hub = HubProcess(models.DEFAULT_DRAFT_DIR, tmp_path / "hub.log", "--max-sessions", "64",
-                     "--max-sessions-per-target", "16")  # fmt: skip
+    hub = HubProcess(
+        models.TOY_DRAFT_DIR,
+        tmp_path / "hub.log",
+        "--max-sessions",
+        "64",
+        "--max-sessions-per-target",
+        "16",
+    )
     yield hub
     assert hub.stop() == 0
 
@@ -289,16 +299,25 @@ def test_a_legitimate_target_keeps_its_output_and_most_of_its_speed(
     the hub and the target share two cores), so the 0.7 goal is a measurement to read here,
     not a gate CI can hold; see SECURITY.md for the figures."""
     target = committed_target
-    prompts = [models.encode_text(target, p) for p in ("ROMEO:\nBut soft", "HAMLET:\nTo be",
-                                                       "JULIET:\nO Romeo")]  # fmt: skip
+    prompts = [
+        models.encode_text(target, p)
+        for p in ("ROMEO:\nBut soft", "HAMLET:\nTo be", "JULIET:\nO Romeo")
+    ]
     reference = [_greedy_reference(target, p, 32) for p in prompts]
-    a = hostile.Attack(attacked_hub.endpoint, target.vocab_size, target.tokenizer_fingerprint,
-                       seconds=2.5, connections=4 if attack == "hog" else 8,
-                       max_positions=target.max_positions or 256)  # fmt: skip
-    legit = lambda: hostile.legit_tokens_per_s(attacked_hub.endpoint, target,  # noqa: E731
-                                               prompts, 32)  # fmt: skip
-    outcome = asyncio.run(hostile.measure(attack, a, attacked_hub.proc.pid, legit, reference,
-                                          rounds=3))  # fmt: skip
+    a = hostile.Attack(
+        attacked_hub.endpoint,
+        target.vocab_size,
+        target.tokenizer_fingerprint,
+        seconds=2.5,
+        connections=4 if attack == "hog" else 8,
+        max_positions=target.max_positions or 256,
+    )
+    legit = functools.partial(
+        hostile.legit_tokens_per_s, attacked_hub.endpoint, target, prompts, 32
+    )
+    outcome = asyncio.run(
+        hostile.measure(attack, a, attacked_hub.proc.pid, legit, reference, rounds=3)
+    )
     assert outcome.outputs_identical
     assert outcome.ratio >= 0.7, vars(outcome)
     assert outcome.rss_growth_mb < 100, vars(outcome)

@@ -1,6 +1,6 @@
 """Hostile peers, wire level: routing-id collisions and messages that never finish.
 
-The attacks come from scripts/hostile_wire.py (raw ZMTP 3.0 clients and DEALERs that claim
+The attacks come from scripts/hostile/hostile_wire.py (raw ZMTP 3.0 clients and DEALERs that claim
 routing ids), loopback only, bounded in connections, bytes and seconds. Hub-level attacks
 (sessions, floods, logs) are in tests/test_hostile.py.
 """
@@ -27,22 +27,20 @@ from edge.batcher import Batcher
 from edge.client import HubClient, TargetInfo
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
-from starsd import models, protocol, transport
+from scripts.hostile import hostile_wire as hw
+from starsd import limits, models, protocol, transport
 from starsd.curve_client import CurveClientConfig, secure_client
 from starsd.hub import gate, router
 from starsd.keys import generate_keypair
 from starsd.protocol import Hello, Ping, Pong, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import hostile_wire as hw
-
 pytestmark = pytest.mark.timeout(120)
 
 PROMPTS = [[5, 17, 33, 8], list(range(40, 52))]
 MB = 2**20
-OLD_LIMIT = transport.SOCKET_MAX_MSG_BYTES  # the hub socket's frame limit before the fix
+OLD_LIMIT = limits.SOCKET_MAX_MSG_BYTES  # the hub socket's frame limit before the fix
 OVER = 60 * MB  # a frame (or handshake command) that limit let through
-assert router.HUB_MAX_FRAME_BYTES < OVER <= OLD_LIMIT
+assert limits.HUB_MAX_FRAME_BYTES < OVER <= OLD_LIMIT
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -51,9 +49,11 @@ assert router.HUB_MAX_FRAME_BYTES < OVER <= OLD_LIMIT
 def _natural_starts(n: int = 3) -> list[int]:
     """The first ``n`` automatic-id starts of ROUTERs in a process that never seeds rand()
     (glibc's sequence for seed 1; each ROUTER takes two values), from a fresh process."""
-    code = ("import ctypes; c = ctypes.CDLL(None); c.srand(1); "
-            f"r = [c.rand() for _ in range({2 * n})]; "
-            f"print(*[((r[2*i+1] << 31) | r[2*i]) & 0xFFFFFFFF for i in range({n})])")  # fmt: skip
+    code = (
+        "import ctypes; c = ctypes.CDLL(None); c.srand(1); "
+        f"r = [c.rand() for _ in range({2 * n})]; "
+        f"print(*[((r[2*i+1] << 31) | r[2*i]) & 0xFFFFFFFF for i in range({n})])"
+    )
     starts = [int(x) for x in subprocess.check_output([sys.executable, "-c", code]).split()]
     assert starts[0] == hw.NATURAL_START
     return starts
@@ -77,8 +77,12 @@ def _hub(draft: Path, tmp_path: Path, curve: bool) -> HubProcess:
     extra = []
     if curve:
         root = _keys(tmp_path)
-        extra = ["--curve-secret", str(root / "keys" / "hub.key_secret"),
-                 "--allow-dir", str(root / "allow")]  # fmt: skip
+        extra = [
+            "--curve-secret",
+            str(root / "keys" / "hub.key_secret"),
+            "--allow-dir",
+            str(root / "allow"),
+        ]
     return HubProcess(draft, tmp_path / "hub.log", *extra)
 
 
@@ -88,8 +92,9 @@ def _frame_limit(hub: HubProcess) -> int:
     return int(found.group(1)) if found else OLD_LIMIT
 
 
-async def _speculate(endpoint: str, target: models.LoadedModel,
-                     curve: CurveClientConfig | None = None) -> list[list[int]]:  # fmt: skip
+async def _speculate(
+    endpoint: str, target: models.LoadedModel, curve: CurveClientConfig | None = None
+) -> list[list[int]]:
     """Greedy speculative decoding of PROMPTS through the hub, as an honest target does."""
     ctx = transport.new_context()
     info = TargetInfo("honest", target.vocab_size, target.tokenizer_fingerprint)
@@ -116,9 +121,13 @@ def _settled_rss(pid: int, seconds: float = 1.0) -> float:
 # ---------------------------------------------------------------------------------- 1: ids
 
 
-def _claimers(ctx: zmq.Context, endpoint: str, claims: list[bytes],
-              curve: CurveClientConfig | None,
-              target: models.LoadedModel) -> list[zmq.Socket]:  # fmt: skip
+def _claimers(
+    ctx: zmq.Context,
+    endpoint: str,
+    claims: list[bytes],
+    curve: CurveClientConfig | None,
+    target: models.LoadedModel,
+) -> list[zmq.Socket]:
     socks = []
     for claim in claims:
         sock = ctx.socket(zmq.DEALER)
@@ -127,8 +136,9 @@ def _claimers(ctx: zmq.Context, endpoint: str, claims: list[bytes],
         if curve is not None:
             secure_client(sock, curve)
         sock.connect(endpoint)
-        sock.send_multipart(protocol.encode(Hello("mallory", target.vocab_size,
-                                                  target.tokenizer_fingerprint)))  # fmt: skip
+        sock.send_multipart(
+            protocol.encode(Hello("mallory", target.vocab_size, target.tokenizer_fingerprint))
+        )
         socks.append(sock)
     for sock in socks:  # each was welcomed: its (claimed?) routing id is in the hub's table
         assert sock.poll(10_000), "an attacker was not answered"
@@ -163,14 +173,20 @@ def test_claimed_routing_ids_cannot_abort_the_hub(
                 peer.send_message(Ping(1))
                 assert isinstance(peer.recv_message(), Pong)
         dealer_claims = [c for s in starts for c in hw.claims_from(s + 8 * bool(raw), 8)]
-        attackers = _claimers(ctx, hub.endpoint, dealer_claims,
-                              _curve(root, "mallory") if root else None, llama_target)  # fmt: skip
+        attackers = _claimers(
+            ctx,
+            hub.endpoint,
+            dealer_claims,
+            _curve(root, "mallory") if root else None,
+            llama_target,
+        )
         if raw:  # one that asks for an automatic id: the next one after a known start?
             raw.append(hw.RawPeer(hub.endpoint, b"", late=True))
             raw[-1].send_message(Ping(2))
             assert isinstance(raw[-1].recv_message(), Pong)
-        honest = asyncio.run(_speculate(hub.endpoint, llama_target,
-                                        _curve(root, "honest") if root else None))  # fmt: skip
+        honest = asyncio.run(
+            _speculate(hub.endpoint, llama_target, _curve(root, "honest") if root else None)
+        )
         assert honest == [_greedy_reference(llama_target, p, 24) for p in PROMPTS]
         assert hub.proc.poll() is None, hub.text()[-2000:]
         connected = re.findall(r"target ([0-9a-f]+)/mallory connected", hub.text())
@@ -215,9 +231,8 @@ async def test_the_hub_assigns_routing_ids_and_ignores_the_peers_own() -> None:
 
 
 _FIRST_AUTOMATIC_ID = """
-import sys, zmq
-sys.path.insert(0, "scripts")
-import hostile_wire as hw
+import zmq
+from scripts.hostile import hostile_wire as hw
 from starsd.hub import router
 ctx = zmq.Context()
 hub = router.bind_router(ctx, "tcp://127.0.0.1:*")
@@ -235,8 +250,11 @@ def test_automatic_ids_do_not_start_where_every_process_starts() -> None:
     value in every fresh process (glibc rand() never seeded: 0x6b8b4567 for the first ROUTER),
     which a peer that outwaits the ZAP reply can claim ahead of a newcomer that gets one."""
     natural = {hw.auto_id(s + i) for s in _natural_starts() for i in range(8)}
-    out = subprocess.check_output([sys.executable, "-c", _FIRST_AUTOMATIC_ID],
-                                  cwd=Path(__file__).resolve().parent.parent, timeout=60)
+    out = subprocess.check_output(
+        [sys.executable, "-c", _FIRST_AUTOMATIC_ID],
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=60,
+    )
     rid = bytes.fromhex(out.split()[-1].decode())
     assert len(rid) == 5 and rid[0] == 0, rid  # an automatic id, as libzmq makes them
     assert rid not in natural, rid  # (a seeded start lands there with odds 24 in 2**32)
@@ -250,8 +268,9 @@ def test_connections_over_the_limits_are_shut_at_accept() -> None:
     number of unfinished messages or handshake commands it holds (before: any number, each up
     to 64 MiB for 30 s)."""
     ctx = zmq.Context()
-    limits = gate.ConnectionLimits(max_connections=6, max_per_address=6, max_new=4,
-                                   max_new_per_address=4)  # fmt: skip
+    limits = gate.ConnectionLimits(
+        max_connections=6, max_per_address=6, max_new=4, max_new_per_address=4
+    )
     hub = router.bind_router(ctx, "tcp://127.0.0.1:*", limits=limits)
     peers: list[socket.socket] = []
     try:
@@ -327,14 +346,12 @@ def test_unfinished_messages_cost_what_is_sent_and_frames_over_the_limit_drop_th
     hub = _hub(llama_pair[1], tmp_path, curve=False)
     limit = _frame_limit(hub)
     before = _settled_rss(hub.proc.pid)
-    big = hw.unfinished(hub.endpoint, frames=4, frame_bytes=OVER, connections=2,
-                        seconds=0)  # fmt: skip
+    big = hw.unfinished(hub.endpoint, frames=4, frame_bytes=OVER, connections=2, seconds=0)
     time.sleep(0.3)
     assert not any(peer.alive() for peer in big)
     assert hw.rss_mb(hub.proc.pid) - before < 40
     n, frames, size = 4, 8, min(limit, 8 * MB)
-    peers = hw.unfinished(hub.endpoint, frames=frames, frame_bytes=size, connections=n,
-                          seconds=1.5)  # fmt: skip
+    peers = hw.unfinished(hub.endpoint, frames=frames, frame_bytes=size, connections=n, seconds=1.5)
     peak = hw.rss_mb(hub.proc.pid)
     honest = asyncio.run(_speculate(hub.endpoint, llama_target))
     assert honest == [_greedy_reference(llama_target, p, 24) for p in PROMPTS]
@@ -381,9 +398,9 @@ def test_hub_frame_limit_fits_what_a_hub_receives() -> None:
     """Issue "Hostile peers" 2. Catches: a frame limit that refuses a legitimate message (a
     prompt of max_positions int64 ids, EAGLE features [max_positions, width] float16) or that
     lets through more than the decoder takes."""
-    assert router.hub_max_frame_bytes(2048) == protocol.MAX_HEADER_BYTES  # headers dominate
-    assert router.hub_max_frame_bytes(32_768) >= 8 * 32_768
-    assert router.hub_max_frame_bytes(2048, 1024) >= 2048 * 1024 * 2
-    assert router.hub_max_frame_bytes(None) == router.HUB_MAX_FRAME_BYTES
-    assert router.hub_max_frame_bytes(10**7, 4096) == router.HUB_MAX_FRAME_BYTES
-    assert router.HUB_MAX_FRAME_BYTES < transport.SOCKET_MAX_MSG_BYTES
+    assert limits.hub_max_frame_bytes(2048) == protocol.MAX_HEADER_BYTES  # headers dominate
+    assert limits.hub_max_frame_bytes(32_768) >= 8 * 32_768
+    assert limits.hub_max_frame_bytes(2048, 1024) >= 2048 * 1024 * 2
+    assert limits.hub_max_frame_bytes(None) == limits.HUB_MAX_FRAME_BYTES
+    assert limits.hub_max_frame_bytes(10**7, 4096) == limits.HUB_MAX_FRAME_BYTES
+    assert limits.HUB_MAX_FRAME_BYTES < limits.SOCKET_MAX_MSG_BYTES

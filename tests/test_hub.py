@@ -44,13 +44,22 @@ BAD_MESSAGES = {
     "wrong version": [_header(Ping.TYPE, {"nonce": 1}, version=7)],
     "garbage body": [bytes((protocol.PROTOCOL_VERSION, 8)) + b"\xff\xff\xff"],
     "wrong field type": [_header(Ping.TYPE, {"nonce": "x"})],
-    "length mismatch": [_header(Draft.TYPE, {"tag": b"x" * 16, "seq": 1, "accepted": 0,
-                                             "arrays": [["appended", "int32", [3]]]}), b"\0" * 5],
+    "length mismatch": [
+        _header(
+            Draft.TYPE,
+            {"tag": b"x" * 16, "seq": 1, "accepted": 0, "arrays": [["appended", "int32", [3]]]},
+        ),
+        b"\0" * 5,
+    ],
     # (a frame over the hub's socket limit drops the connection: tests/test_hostile_wire.py)
-    "too many frames": [_header(Draft.TYPE, {"tag": b"x" * 16, "seq": 1, "accepted": 0,
-                                             "arrays": [["appended", "int32", [1]]]}),
-                        *[b"\0" * 4] * protocol.MAX_FRAMES],
-}  # fmt: skip
+    "too many frames": [
+        _header(
+            Draft.TYPE,
+            {"tag": b"x" * 16, "seq": 1, "accepted": 0, "arrays": [["appended", "int32", [1]]]},
+        ),
+        *[b"\0" * 4] * protocol.MAX_FRAMES,
+    ],
+}
 EXPECTED_CODE = {
     "truncated": ErrorCode.MALFORMED,
     "wrong type byte": ErrorCode.MALFORMED,
@@ -154,8 +163,9 @@ async def test_sampling_outside_the_valid_range_is_refused_at_open(
         assert reply.message.startswith(f"temperature {temperature!r} is out of range")
         assert "[0.01, 100]" in reply.message
     lowest = TEMPERATURE_MIN
-    for ref, params in enumerate([SamplingParams(lowest, seed=1),
-                                  SamplingParams(lowest, top_p=5e-324, seed=2)], 8):  # fmt: skip
+    for ref, params in enumerate(
+        [SamplingParams(lowest, seed=1), SamplingParams(lowest, top_p=5e-324, seed=2)], 8
+    ):
         await target.send(Open(ref, PROMPT, params, 4))
         opened, proposal = await target.recv(), await target.recv()
         assert isinstance(opened, Opened) and opened.ref == ref, opened
@@ -184,15 +194,25 @@ async def test_a_foreign_tag_is_forbidden_and_changes_nothing(
 
 def _greedy_reference(target: models.LoadedModel, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=n, min_new_tokens=0,
-                                eos_token_id=sorted(target.eos_token_ids) or None,
-                                pad_token_id=0)  # fmt: skip
+    out = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=0,
+        eos_token_id=sorted(target.eos_token_ids) or None,
+        pad_token_id=0,
+    )
     return out[0, len(prompt) :].tolist()
 
 
-async def _speculate(endpoint: str, target: models.LoadedModel, prompts: list[list[int]],
-                     n: int, params: SamplingParams) -> list[TargetSequence]:  # fmt: skip
+async def _speculate(
+    endpoint: str,
+    target: models.LoadedModel,
+    prompts: list[list[int]],
+    n: int,
+    params: SamplingParams,
+) -> list[TargetSequence]:
     ctx = transport.new_context()
     info = TargetInfo("t", target.vocab_size, target.tokenizer_fingerprint)
     client = HubClient(ctx, endpoint, info)

@@ -33,9 +33,13 @@ def keys(tmp_path: Path) -> Path:
 
 @pytest.fixture
 async def curve_hub(keys: Path, llama_pair: tuple[Path, Path]) -> AsyncIterator[hub_module.Hub]:
-    config = hub_module.HubConfig(model=str(llama_pair[1]), bind="tcp://127.0.0.1:*",
-                                  curve_secret=str(keys / "keys" / "hub.key_secret"),
-                                  allow_dir=str(keys / "allow"), stats_interval=3600)  # fmt: skip
+    config = hub_module.HubConfig(
+        model=str(llama_pair[1]),
+        bind="tcp://127.0.0.1:*",
+        curve_secret=str(keys / "keys" / "hub.key_secret"),
+        allow_dir=str(keys / "allow"),
+        stats_interval=3600,
+    )
     hub = hub_module.build_hub(config)
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))
@@ -47,10 +51,10 @@ async def curve_hub(keys: Path, llama_pair: tuple[Path, Path]) -> AsyncIterator[
     ctx.term()
 
 
-def _client(hub: hub_module.Hub, keys: Path, name: str, target: models.LoadedModel,
-            ctx: zmq.asyncio.Context) -> HubClient:  # fmt: skip
-    curve = CurveClientConfig(keys / "keys" / f"{name}.key_secret",
-                                       keys / "keys" / "hub.key")  # fmt: skip
+def _client(
+    hub: hub_module.Hub, keys: Path, name: str, target: models.LoadedModel, ctx: zmq.asyncio.Context
+) -> HubClient:
+    curve = CurveClientConfig(keys / "keys" / f"{name}.key_secret", keys / "keys" / "hub.key")
     info = TargetInfo(name, target.vocab_size, target.tokenizer_fingerprint)
     return HubClient(ctx, hub.endpoint, info, curve)
 

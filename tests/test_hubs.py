@@ -35,20 +35,26 @@ from starsd.stats import BusyWindow
 
 def test_hub_list_keeps_order_and_strips_spaces() -> None:
     assert parse_hub_endpoints("tcp://a:5555, tcp://10.0.0.2:6000,ipc:///tmp/h") == (
-        "tcp://a:5555", "tcp://10.0.0.2:6000", "ipc:///tmp/h")  # fmt: skip
+        "tcp://a:5555",
+        "tcp://10.0.0.2:6000",
+        "ipc:///tmp/h",
+    )
     assert parse_hub_endpoints("tcp://[::1]:5555") == ("tcp://[::1]:5555",)
 
 
-@pytest.mark.parametrize(("text", "problem"), [
-    ("tcp://a:5555,tcp://a:5555", "listed twice"),
-    ("tcp://a:5555,,tcp://b:5555", "empty entry"),
-    ("tcp://a:5555,", "empty entry"),
-    ("http://a:5555", "not a ZeroMQ endpoint"),
-    ("a:5555", "not a ZeroMQ endpoint"),
-    ("tcp://a", "not a ZeroMQ endpoint"),
-    ("tcp://a:99999", "out of range"),
-    ("tcp://a:5555 tcp://b:5555", "not a ZeroMQ endpoint"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("tcp://a:5555,tcp://a:5555", "listed twice"),
+        ("tcp://a:5555,,tcp://b:5555", "empty entry"),
+        ("tcp://a:5555,", "empty entry"),
+        ("http://a:5555", "not a ZeroMQ endpoint"),
+        ("a:5555", "not a ZeroMQ endpoint"),
+        ("tcp://a", "not a ZeroMQ endpoint"),
+        ("tcp://a:99999", "out of range"),
+        ("tcp://a:5555 tcp://b:5555", "not a ZeroMQ endpoint"),
+    ],
+)
 def test_bad_hub_lists_are_refused_naming_the_problem(text: str, problem: str) -> None:
     # Catches a list that silently connects twice to one hub, or to nothing.
     with pytest.raises(ValueError, match=problem):
@@ -93,14 +99,24 @@ def test_spare_capacity_weighs_sessions_by_what_they_cost_the_hub() -> None:
 class _FakeClient:
     """What HubPool.pick reads of a HubClient."""
 
-    def __init__(self, name: str, load: HubLoad, up: bool = True, features: bool = False,
-                 full: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        load: HubLoad,
+        up: bool = True,
+        features: bool = False,
+        full: bool = False,
+        aside: bool = False,
+    ) -> None:
         self.endpoint, self.load, self.up = name, load, up
-        self.wants_features, self._full = features, full
+        self.wants_features, self._full, self._aside = features, full, aside
         self.placed = self.placed_since_report = 0
 
     def full(self) -> bool:
         return self._full
+
+    def set_aside(self) -> bool:
+        return self._aside
 
 
 def _pool(*clients: _FakeClient) -> HubPool:
@@ -125,6 +141,7 @@ def test_a_burst_of_opens_alternates_between_idle_hubs() -> None:
 def test_many_targets_starting_together_spread_over_equal_hubs() -> None:
     """Catches the herd: 64 targets that see the same reports and each pick the same hub
     (measured before the random order among tied hubs: all 64 sessions on one hub)."""
+
     def target(seed: int) -> HubPool:  # each target its own clients, the same reports
         clients = [_FakeClient("a", HubLoad(4, 0, 0.5)), _FakeClient("b", HubLoad(4, 0, 0.5))]
         return HubPool(clients, random.Random(seed))  # type: ignore[arg-type]
@@ -141,11 +158,13 @@ def test_a_hub_without_sessions_is_not_shunned_for_its_past_busy() -> None:
     assert HubLoad(sessions=4, busy=0.99).spare(0) < HubLoad(sessions=4, busy=0.2).spare(0)
 
 
-def test_pick_prefers_the_hub_with_room_and_skips_down_full_and_eagle_hubs() -> None:
+def test_pick_prefers_the_hub_with_room_and_skips_down_full_aside_and_eagle_hubs() -> None:
     busy, idle = HubLoad(8, 2, 0.9), HubLoad(8, 0, 0.3)
     assert _pick(_pool(_FakeClient("busy", busy), _FakeClient("idle", idle))) == "idle"
     assert _pick(_pool(_FakeClient("busy", busy), _FakeClient("idle", idle, up=False))) == "busy"
     assert _pick(_pool(_FakeClient("busy", busy), _FakeClient("idle", idle, full=True))) == "busy"
+    # a hub set aside after a strike (it sent a proposal the target refused) gets no session
+    assert _pick(_pool(_FakeClient("busy", busy), _FakeClient("idle", idle, aside=True))) == "busy"
     eagle = _FakeClient("eagle", idle, features=True)
     assert _pick(_pool(_FakeClient("busy", busy), eagle), with_features=False) == "busy"
     assert _pick(_pool(_FakeClient("busy", busy, up=False))) is None
@@ -164,8 +183,9 @@ def test_busy_window_forgets_old_work() -> None:
 
 
 async def _start_hub(draft: Path, **extra: object) -> tuple[hub_module.Hub, asyncio.Task, object]:
-    config = hub_module.HubConfig(model=str(draft), bind="tcp://127.0.0.1:*", stats_interval=3600,
-                                  **extra)  # type: ignore[arg-type]  # fmt: skip
+    config = hub_module.HubConfig(
+        model=str(draft), bind="tcp://127.0.0.1:*", stats_interval=3600, **extra
+    )  # type: ignore[arg-type]
     hub = hub_module.build_hub(config)
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))
@@ -186,9 +206,15 @@ def _info(target: models.LoadedModel) -> TargetInfo:
 
 def _reference(target: models.LoadedModel, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=n, min_new_tokens=0, pad_token_id=0,
-                                eos_token_id=sorted(target.eos_token_ids) or None)  # fmt: skip
+    out = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=0,
+        pad_token_id=0,
+        eos_token_id=sorted(target.eos_token_ids) or None,
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -228,8 +254,9 @@ async def test_one_unreachable_and_one_live_hub_speculates_at_once_on_the_live_o
     try:
         assert await pool.connect(timeout=2.0) == 1
         # a long deadline: any standalone step here would mean the sequence waited on the dead hub
-        await asyncio.gather(*(generate_speculative(pool, s, 4, batcher, Fallback(5.0))
-                               for s in seqs))  # fmt: skip
+        await asyncio.gather(
+            *(generate_speculative(pool, s, 4, batcher, Fallback(5.0)) for s in seqs)
+        )
     finally:
         await pool.aclose()
         await batcher.aclose()
@@ -270,8 +297,9 @@ async def test_sequences_move_to_the_surviving_hub_without_losing_a_token(
     seqs = [TargetSequence(backend, p, SamplingParams(), 80) for p in prompts]
     try:
         await pool.connect(timeout=5.0)
-        runs = asyncio.gather(*(generate_speculative(pool, s, 4, batcher, Fallback(2.0))
-                                for s in seqs))  # fmt: skip
+        runs = asyncio.gather(
+            *(generate_speculative(pool, s, 4, batcher, Fallback(2.0)) for s in seqs)
+        )
         while min(s.stats.rounds for s in seqs) < 2:
             await asyncio.sleep(0.01)
         doomed = next(h for h in hubs if h[0].sessions)

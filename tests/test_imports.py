@@ -40,8 +40,15 @@ def modules_after_import(module: str) -> tuple[Path, list[str]]:
     """Import ``module`` in a fresh interpreter; its file and every module then loaded."""
     # This checkout first on the path: the venv's editable install may point at another one.
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, module], capture_output=True,
-                          text=True, cwd=REPO, env=env, timeout=120, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, module],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, f"importing {module} failed:\n{proc.stderr[-3000:]}"
     lines = proc.stdout.splitlines()
     return Path(lines[0]), lines[1:]

@@ -10,6 +10,7 @@ import torch
 from starsd import models
 from starsd.batch import RaggedBatch, SequenceCache
 from starsd.kvpool import KVPool, PooledRows
+from starsd.llama import PaddedKeyValues
 
 SEQS = [[5, 17, 33, 8, 9, 11, 40], [3, 4], [21, 22, 23, 24, 25]]
 SPLIT = [4, 0, 3]  # cached part of each sequence before the batched feed
@@ -26,8 +27,10 @@ def _reference(loaded: models.LoadedModel, ids: list[int]) -> tuple[torch.Tensor
 
 
 def test_a_plain_llama_gets_a_decoder_and_other_models_keep_transformers(
-    llama_pair: tuple[Path, Path], gpt2_pair: tuple[Path, Path], tmp_path: Path,
-) -> None:  # fmt: skip
+    llama_pair: tuple[Path, Path],
+    gpt2_pair: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
     """Catches the plain-torch path taken for a model whose math it does not implement (GPT-2;
     a Llama with scaled RoPE), or not taken for the plain Llama it exists for."""
     from transformers import AutoModelForCausalLM
@@ -53,8 +56,7 @@ def test_stacked_weights_are_shared_with_transformers_and_leave_its_forward_alon
     qkv = lean.decoder.layers[0].qkv  # type: ignore[union-attr]
     assert attn.k_proj.weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
     ids = SEQS[0]
-    torch.testing.assert_close(_reference(lean, ids)[0], _reference(plain, ids)[0],
-                               atol=0, rtol=0)  # fmt: skip
+    torch.testing.assert_close(_reference(lean, ids)[0], _reference(plain, ids)[0], atol=0, rtol=0)
 
 
 def test_a_padded_ragged_batch_equals_transformers_alone(llama_pair: tuple[Path, Path]) -> None:
@@ -69,18 +71,26 @@ def test_a_padded_ragged_batch_equals_transformers_alone(llama_pair: tuple[Path,
     batch = RaggedBatch(tuple(SPLIT), tuple(len(f) for f in feeds), 1)
     buffers = batch.gather(caches, shapes, torch.float32, lean.device)
     width = batch.cached_width + batch.fed_width
-    logits, features = models.forward_batch(lean, batch.input_ids(feeds), batch.feed_positions(),
-                                            batch.mask(width), buffers, hidden=True)  # fmt: skip
+    logits, features = models.forward_batch(
+        lean,
+        batch.input_ids(feeds),
+        batch.feed_positions(),
+        PaddedKeyValues(buffers, batch.mask(width)),
+        hidden=True,
+    )
     nxt = torch.tensor([[1], [2], [3]])
-    step, _ = models.forward_batch(lean, nxt, batch.step_positions(0), batch.mask(width + 1),
-                                   buffers)  # fmt: skip
+    step, _ = models.forward_batch(
+        lean, nxt, batch.step_positions(0), PaddedKeyValues(buffers, batch.mask(width + 1))
+    )
     for i, seq in enumerate(SEQS):
         ref_logits, ref_features = _reference(lean, [*seq, int(nxt[i])])
         real = slice(0, len(feeds[i]))
-        torch.testing.assert_close(logits[i, real], ref_logits[SPLIT[i] : len(seq)],
-                                   atol=1e-5, rtol=1e-4)  # fmt: skip
-        torch.testing.assert_close(features[i, real], ref_features[SPLIT[i] : len(seq)],
-                                   atol=1e-5, rtol=1e-4)  # fmt: skip
+        torch.testing.assert_close(
+            logits[i, real], ref_logits[SPLIT[i] : len(seq)], atol=1e-5, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            features[i, real], ref_features[SPLIT[i] : len(seq)], atol=1e-5, rtol=1e-4
+        )
         torch.testing.assert_close(step[i, 0], ref_logits[-1], atol=1e-5, rtol=1e-4)
 
 
@@ -93,16 +103,19 @@ def test_logits_at_one_column_per_row_are_that_columns_logits(
     feeds = [s[c:] for s, c in zip(SEQS, SPLIT, strict=True)]
     caches = [_prefilled(lean, seq[:c]) for seq, c in zip(SEQS, SPLIT, strict=True)]
     batch = RaggedBatch(tuple(SPLIT), tuple(len(f) for f in feeds), 0)
-    args = (batch.input_ids(feeds), batch.feed_positions(), batch.mask(batch.capacity))
-    every, _ = models.forward_batch(lean, *args, batch.gather(caches, models.kv_shapes(lean),
-                                                              torch.float32, lean.device))
-    picked, _ = models.forward_batch(lean, *args, batch.gather(caches, models.kv_shapes(lean),
-                                                               torch.float32, lean.device),
-                                     logits_at=batch.last_fed())  # fmt: skip
+    args = (batch.input_ids(feeds), batch.feed_positions())
+
+    def kv() -> PaddedKeyValues:
+        buffers = batch.gather(caches, models.kv_shapes(lean), torch.float32, lean.device)
+        return PaddedKeyValues(buffers, batch.mask(batch.capacity))
+
+    every, _ = models.forward_batch(lean, *args, kv())
+    picked, _ = models.forward_batch(lean, *args, kv(), logits_at=batch.last_fed())
     assert picked.shape == (3, 1, every.shape[-1])
     for i in range(3):
-        torch.testing.assert_close(picked[i, 0], every[i, len(feeds[i]) - 1], atol=1e-5,
-                                   rtol=1e-4)  # (another matmul shape: ulps apart)
+        torch.testing.assert_close(
+            picked[i, 0], every[i, len(feeds[i]) - 1], atol=1e-5, rtol=1e-4
+        )  # (another matmul shape: ulps apart)
 
 
 def test_pooled_rows_equal_transformers_alone(llama_pair: tuple[Path, Path]) -> None:
@@ -115,11 +128,12 @@ def test_pooled_rows_equal_transformers_alone(llama_pair: tuple[Path, Path]) -> 
     pool = KVPool((layers, heads, dim), torch.float32, lean.device)
     rows = PooledRows(pool, caches, [len(f) for f in feeds])
     layout = RaggedBatch(rows.start, rows.fed, 0)
-    logits, _ = models.forward_rows(lean, rows, layout.input_ids(feeds), layout.feed_positions())
+    logits, _ = models.forward_batch(lean, layout.input_ids(feeds), layout.feed_positions(), rows)
     for i, seq in enumerate(SEQS):
         ref_logits, _ = _reference(lean, seq)
-        torch.testing.assert_close(logits[i, : len(feeds[i])], ref_logits[SPLIT[i] :],
-                                   atol=1e-5, rtol=1e-4)  # fmt: skip
+        torch.testing.assert_close(
+            logits[i, : len(feeds[i])], ref_logits[SPLIT[i] :], atol=1e-5, rtol=1e-4
+        )
 
 
 def _prefilled(loaded: models.LoadedModel, ids: list[int]) -> SequenceCache:
@@ -127,9 +141,12 @@ def _prefilled(loaded: models.LoadedModel, ids: list[int]) -> SequenceCache:
     if not ids:
         return SequenceCache()
     batch = RaggedBatch((0,), (len(ids),), 0)
-    buffers = batch.gather([SequenceCache()], models.kv_shapes(loaded), torch.float32,
-                           loaded.device)  # fmt: skip
-    models.forward_batch(loaded, batch.input_ids([ids]), batch.feed_positions(), None, buffers)
+    buffers = batch.gather(
+        [SequenceCache()], models.kv_shapes(loaded), torch.float32, loaded.device
+    )
+    models.forward_batch(
+        loaded, batch.input_ids([ids]), batch.feed_positions(), PaddedKeyValues(buffers, None)
+    )
     return batch.scatter(buffers, 0, 0)
 
 
@@ -152,7 +169,6 @@ def test_grouped_heads_attend_like_repeated_keys(groups: int) -> None:
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     one = attention(q[:, :, :1], keys, values, allowed[:, :, :1], 0.5)  # the decode-step path
     torch.testing.assert_close(one, want[:, :1], atol=1e-6, rtol=1e-5)
-
 
 
 def test_an_unknown_forward_is_refused_at_start() -> None:

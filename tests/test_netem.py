@@ -1,4 +1,4 @@
-"""scripts/netem*.py: the delay/bandwidth proxy on loopback, ZeroMQ through it, and namespaces."""
+"""scripts/emulate/netem*.py: the delay/bandwidth proxy on loopback, ZeroMQ through it, netns."""
 
 from __future__ import annotations
 
@@ -9,16 +9,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import netem
-import netem_namespaces
-import netem_proxy
+from scripts.emulate import netem, netem_namespaces, netem_proxy
 
 
 @pytest.fixture
@@ -231,8 +226,9 @@ def test_namespaces_lan_echo_and_cleanup(namespaces_ok: None) -> None:
         assert (hub.ip, t0.ip, t1.ip) == ("10.77.0.1", "10.77.0.2", "10.77.0.3")
         server = lan.run_in(hub, [sys.executable, "-c", ECHO_SERVER, hub.ip, "7777"])
         # A delaying proxy in the hub namespace, as the LAN benchmark would run it.
-        config = netem_proxy.ProxyConfig(hub.ip, 7777, listen_host=hub.ip, listen_port=7001,
-                                         delay_ms=10)  # fmt: skip
+        config = netem_proxy.ProxyConfig(
+            hub.ip, 7777, listen_host=hub.ip, listen_port=7001, delay_ms=10
+        )
         proxy = lan.run_in(hub, netem.proxy_argv(config), stderr=subprocess.DEVNULL)
         direct = lan.run(t0, [sys.executable, "-c", ECHO_CLIENT, hub.ip, "7777"])
         via_proxy = lan.run(t1, [sys.executable, "-c", ECHO_CLIENT, hub.ip, "7001"])

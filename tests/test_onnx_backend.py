@@ -1,4 +1,4 @@
-"""The ONNX Runtime backend and ``python -m edge.export`` (issue 16).
+"""The ONNX Runtime backend and ``python -m edge.export``.
 
 Tiny Llama- and GPT-2-shaped targets are built from a config, loaded through starsd.models,
 exported once per session, and run by ONNX Runtime's CPU provider in float32; the torch model is
@@ -44,8 +44,9 @@ CPU_ONLY = OnnxOptions(providers=(CPU,), threads=1)
 
 
 @pytest.fixture(scope="session")
-def exports(model_root: Path, llama_pair: tuple[Path, Path],
-            gpt2_pair: tuple[Path, Path]) -> dict[str, tuple[Path, Path]]:  # fmt: skip
+def exports(
+    model_root: Path, llama_pair: tuple[Path, Path], gpt2_pair: tuple[Path, Path]
+) -> dict[str, tuple[Path, Path]]:
     """family -> (model dir, export dir), each exported once per session."""
     out = {}
     for family, (target, _) in (("llama", llama_pair), ("gpt2", gpt2_pair)):
@@ -79,7 +80,9 @@ def test_export_writes_a_manifest_that_describes_the_model(
     manifest = Manifest.read(exports["llama"][1])
     t = llama_target
     assert (manifest.vocab_size, manifest.tokenizer_fingerprint) == (
-        t.vocab_size, t.tokenizer_fingerprint)  # fmt: skip
+        t.vocab_size,
+        t.tokenizer_fingerprint,
+    )
     assert set(manifest.eos_token_ids) == set(t.eos_token_ids)
     assert manifest.max_positions == t.max_positions
     assert [(h, manifest.head_dim) for h in manifest.kv_heads] == models.kv_shapes(t)
@@ -132,8 +135,10 @@ def test_ragged_forward_matches_torch(family: str, exports: dict[str, tuple[Path
     backend, loaded = OnnxBackend(export_dir, CPU_ONLY), models.load_causal_lm(model_dir)
     ids = [[*backend.encode(p), 7, 9, 11, 13, 15, 17, 19, 21] for p in PROMPTS]
     rows = [(0, 4), (3, 1), (6, 3)]  # (cached, fed)
-    caches = [backend.forward([SequenceCache()], [ids[i][:c]])[0].cache if c else SequenceCache()
-              for i, (c, _) in enumerate(rows)]  # fmt: skip
+    caches = [
+        backend.forward([SequenceCache()], [ids[i][:c]])[0].cache if c else SequenceCache()
+        for i, (c, _) in enumerate(rows)
+    ]
     feeds = [ids[i][c : c + f] for i, (c, f) in enumerate(rows)]
     outs = backend.forward(caches, feeds, features=True)
     for i, ((c, f), out) in enumerate(zip(rows, outs, strict=True)):
@@ -204,8 +209,11 @@ def test_an_export_of_another_model_is_refused(
         OnnxBackend(directory, OnnxOptions(providers=(CPU,), expect_vocab=999))
     with pytest.raises(BackendError, match=r"fingerprint .* expects beef"):
         OnnxBackend(directory, OnnxOptions(providers=(CPU,), expect_fingerprint="beef"))
-    expected = OnnxOptions(providers=(CPU,), expect_vocab=llama_target.vocab_size,
-                           expect_fingerprint=llama_target.tokenizer_fingerprint)  # fmt: skip
+    expected = OnnxOptions(
+        providers=(CPU,),
+        expect_vocab=llama_target.vocab_size,
+        expect_fingerprint=llama_target.tokenizer_fingerprint,
+    )
     assert OnnxBackend(directory, expected).info.vocab_size == llama_target.vocab_size
     tampered = copy_export(exports, tmp_path)
     edit_manifest(tampered, tokenizer_fingerprint="0123456789abcdef")
@@ -286,8 +294,11 @@ def test_provider_resolution() -> None:
     assert resolve_providers(parse_providers("cuda, CPU"), [CUDA, CPU], known) == [CUDA, CPU]
     with pytest.raises(BackendError, match=r"unknown execution provider.*'NoSuchProvider'"):
         resolve_providers(["NoSuchProvider"], [CPU], known)
-    with pytest.raises(BackendError, match=r"CUDAExecutionProvider not available .*\(it has "
-                                           r"CPUExecutionProvider\)"):  # fmt: skip
+    with pytest.raises(
+        BackendError,
+        match=r"CUDAExecutionProvider not available .*\(it has "
+        r"CPUExecutionProvider\)",
+    ):
         resolve_providers(["cuda", "cpu"], [CPU], known)
 
 
@@ -306,8 +317,17 @@ def test_an_unavailable_provider_is_a_clear_error(
         load(exports["llama"][1], providers="tensorrt")
     with pytest.raises(BackendError, match="unknown execution provider"):
         load(exports["llama"][1], providers="warp-drive")
-    argv = ["--model", str(exports["llama"][1]), "--prompt", "x", "--standalone",
-            "--backend", "onnxruntime", "--providers", "tensorrt,cpu"]  # fmt: skip
+    argv = [
+        "--model",
+        str(exports["llama"][1]),
+        "--prompt",
+        "x",
+        "--standalone",
+        "--backend",
+        "onnxruntime",
+        "--providers",
+        "tensorrt,cpu",
+    ]
     assert target.main(argv) == 2
     assert "error: " in (err := capsys.readouterr().err) and "TensorrtExecutionProvider" in err
 
@@ -386,9 +406,15 @@ def test_slim_target_runs_without_transformers(exports: dict[str, tuple[Path, Pa
     has imported nothing of the hub either."""
     model_dir, export_dir = exports["llama"]
     env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", _SLIM, str(export_dir), json.dumps(PROMPTS)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=240,
-                          check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _SLIM, str(export_dir), json.dumps(PROMPTS)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result["heavy"] == []
@@ -403,11 +429,11 @@ def test_committed_target_greedy_equals_generate(tmp_path_factory: pytest.TempPa
     through the ONNX Runtime backend equals generate() token for token. (Slow: the export
     takes minutes on 2 cores.)"""
     export_dir = tmp_path_factory.mktemp("default") / "starsd-target-onnx"
-    exporter.export(models.DEFAULT_TARGET_DIR, export_dir)
+    exporter.export(models.TOY_TARGET_DIR, export_dir)
     backend = OnnxBackend(export_dir, CPU_ONLY)
     prompts = ["HAMLET:\nTo be, or not to be,", "ROMEO:\nBut soft, what light"]
     got = greedy(backend, [backend.encode(p) for p in prompts], 32)
-    assert got == [reference(models.DEFAULT_TARGET_DIR, p, 32) for p in prompts]
+    assert got == [reference(models.TOY_TARGET_DIR, p, 32) for p in prompts]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Callable
 
 import pytest
 
@@ -95,8 +96,9 @@ def test_a_position_no_longer_reached_falls_back_to_the_position_before_it() -> 
     assert alphas[2] == pytest.approx(alphas[1], abs=0.02)
 
 
-def _shifted_run(seed: int, before: float, after: float, gamma: int, rounds: int = 100,
-                 shift_z: float = 3.5) -> tuple[AcceptanceEstimate, int | None]:  # fmt: skip
+def _shifted_run(
+    seed: int, before: float, after: float, gamma: int, rounds: int = 100, shift_z: float = 3.5
+) -> tuple[AcceptanceEstimate, int | None]:
     """100 verdicts at ``before``, then ``rounds`` at ``after``; the estimate and the first
     round after the change at which a shift was detected (None: none)."""
     rng, est = random.Random(seed), AcceptanceEstimate(G, shift_z=shift_z)
@@ -120,8 +122,11 @@ def test_a_shift_of_acceptance_is_seen_in_a_few_rounds_and_steady_acceptance_is_
     assert statistics.median(d for d in detected if d is not None) <= 5
     pooled = [_shifted_run(seed, 0.9, 0.3, 10, rounds=10)[0].pooled() for seed in range(40)]
     assert statistics.median(pooled) < 0.45
-    false = sum(_shifted_run(seed, a, a, g)[0].shifts for seed in range(20)
-                for a, g in ((0.9, 10), (0.7, 4), (0.3, 2), (0.95, 14)))  # fmt: skip
+    false = sum(
+        _shifted_run(seed, a, a, g)[0].shifts
+        for seed in range(20)
+        for a, g in ((0.9, 10), (0.7, 4), (0.3, 2), (0.95, 14))
+    )
     assert false <= 32  # in 16 000 rounds: at most one per 500
 
 
@@ -243,8 +248,9 @@ def _costs(a: float, b: float) -> list[float]:
 
 def _session(policy: GammaPolicy, alpha: float, r: float, seed: int = 0) -> SessionPacing:
     """A session past its warm-up: 200 verdicts at gamma 16 with acceptance ``alpha``, round
-    trips of ``r`` seconds outside the hub."""
+    trips of ``r`` seconds outside the hub; its span alone taken (T_alone still unknown)."""
     rng, s = random.Random(seed), policy.new_session(None)
+    s.explored = True
     for _ in range(200):
         s.estimate.observe(G, _verdict(rng, [alpha], G))
         s.round_trip.observe(G, r)
@@ -378,8 +384,12 @@ def test_the_hubs_common_gamma_is_chosen_while_near_the_best() -> None:
     assert policy.choose(low, IDLE) == 2
     assert policy.choose(low, Load(IDLE.batch, IDLE.loaded, IDLE.costs, common=3)) == 3
     low.chosen = 0  # alone within 5% of the best: kept, by its own hysteresis
-    assert GammaPolicy(PolicyParams(max_gamma=G)).choose(
-        low, Load(IDLE.batch, IDLE.loaded, IDLE.costs, common=3)) == 0
+    assert (
+        GammaPolicy(PolicyParams(max_gamma=G)).choose(
+            low, Load(IDLE.batch, IDLE.loaded, IDLE.costs, common=3)
+        )
+        == 0
+    )
     votes = CommonGamma(G, decay=0.9)
     assert votes.mode() == 0
     for g in (4, 4, 4, 0, 0, 0, 6):  # alone is no vote
@@ -415,10 +425,65 @@ def test_a_new_session_starts_from_its_targets_last_one() -> None:
     assert owners.get(b"a") is old and owners.get(b"c") is old and owners.get(b"b") is None
 
 
-@pytest.mark.parametrize("bad", [dict(max_gamma=0), dict(start_gamma=20), dict(forget=1.0),
-                                 dict(alone_tokens=0), dict(alone_tokens=300),
-                                 dict(shift_z=0.0), dict(shift_keep=1.5),
-                                 dict(common_slack=-0.1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_gamma=0),
+        dict(start_gamma=20),
+        dict(forget=1.0),
+        dict(alone_tokens=0),
+        dict(alone_tokens=300),
+        dict(shift_z=0.0),
+        dict(shift_keep=1.5),
+        dict(common_slack=-0.1),
+    ],
+)
 def test_policy_params_are_checked(bad: dict) -> None:
     with pytest.raises(ValueError):
         PolicyParams(**bad)
+
+
+def _rounds_with_spans(
+    policy: GammaPolicy,
+    s: SessionPacing,
+    rounds: int,
+    alpha: float,
+    round_trip: Callable[[int], float],
+    step: float,
+    seed: int = 0,
+) -> list[int]:
+    """Each round's gamma over ``rounds`` rounds: verdicts at acceptance ``alpha`` with round
+    trips ``round_trip(gamma)``; a span alone times a step of ``step`` s, then a probe."""
+    rng, gammas = random.Random(seed), []
+    for _ in range(rounds):
+        gamma = policy.next_round(s, IDLE, probe=bool(gammas) and gammas[-1] == 0)
+        gammas.append(gamma)
+        if gamma == 0:
+            s.alone_step = step
+            continue
+        s.estimate.observe(gamma, _verdict(rng, [alpha], gamma))
+        s.round_trip.observe(gamma, round_trip(gamma))
+    return gammas
+
+
+def test_a_compute_bound_target_decodes_alone_once_its_step_is_timed() -> None:
+    """Catches T_alone guessed from the round trip: a warm-up at one gamma fits R flat, so R(1)
+    read like a verify of 4 (98 ms where a step costs 50), and at acceptance 0.1 the session
+    kept drafting and never decoded alone (0.54x the target alone on the real pair)."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G, warmup_rounds=3))
+    s = policy.new_session(None, start=4)
+    gammas = _rounds_with_spans(policy, s, 40, 0.1, lambda g: 0.050 + 0.012 * g, 0.050)
+    assert gammas[:4] == [4, 4, 4, 0]  # the warm-up, then the span that times a step
+    assert gammas[-1] == 0 and gammas.count(0) >= 15  # speculation does not pay: alone
+
+
+def test_the_span_alone_that_times_t_alone_is_taken_once_per_target() -> None:
+    """Catches an exploring span that repeats (each costs the speculation it replaces) or that
+    a target's next session takes again, where speculation pays."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G, warmup_rounds=3))
+    s = policy.new_session(None, start=4)
+    gammas = _rounds_with_spans(policy, s, 60, 0.9, lambda g: 0.020, 0.020, seed=1)
+    assert gammas.count(0) == 1 and gammas[3] == 0 and s.alone_span == 16
+    assert statistics.median(gammas[4:]) >= 8  # and speculation goes on
+    later = policy.new_session(None, start=4, like=s)
+    assert policy.next_round(later, IDLE) >= 8  # inherited: no warm-up, no second span

@@ -39,9 +39,13 @@ def idle(predrafter: Predrafter, limit: int = 200) -> int:
     return steps
 
 
-def first_round(proposer: LlmProposer, params: SamplingParams, gamma: int = 3,
-                tag: bytes = b"s", history: tuple[int, int] = (0, 0)
-                ) -> tuple[LlmState, Proposal]:  # fmt: skip
+def first_round(
+    proposer: LlmProposer,
+    params: SamplingParams,
+    gamma: int = 3,
+    tag: bytes = b"s",
+    history: tuple[int, int] = (0, 0),
+) -> tuple[LlmState, Proposal]:
     """A session's first proposal; ``history`` (drafted, kept) sets its acceptance so far."""
     state = proposer.new_state(PROMPT, params, gamma)
     state.drafted, state.kept = history
@@ -59,8 +63,11 @@ def same(a: Proposal, b: Proposal) -> None:
 
 
 @pytest.mark.parametrize("history", [(0, 0), (100, 95)], ids=["corrections", "bonus"])
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, seed=7),
-                                    SamplingParams(1.0, top_k=6, seed=3)], ids=str)
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(0.8, seed=7), SamplingParams(1.0, top_k=6, seed=3)],
+    ids=str,
+)
 def test_every_branch_hit_equals_drafting_after_the_verdict(
     draft: models.LoadedModel, params: SamplingParams, history: tuple[int, int]
 ) -> None:
@@ -89,8 +96,10 @@ def test_every_branch_hit_equals_drafting_after_the_verdict(
         assert hit is not None, (k, token)
         (expected,) = plain.propose([DraftJob(b"s", 1, twin, k, (token,))])
         same(hit, expected)
-        nxt = [p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
-               for p, s in ((with_branches, copy), (plain, twin))]  # fmt: skip
+        nxt = [
+            p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
+            for p, s in ((with_branches, copy), (plain, twin))
+        ]
         same(nxt[0], nxt[1])  # type: ignore[arg-type]
         assert copy.cache.length == twin.cache.length == len(twin.tokens) + 2
 
@@ -144,8 +153,10 @@ def test_a_branch_answers_any_round_gamma_up_to_its_own(
     assert hit is not None and len(hit.tokens) == round_gamma
     (expected,) = plain.propose([DraftJob(b"s", 1, twin, k, (token,))])
     same(hit, expected)
-    nxt = [p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
-           for p, s in ((with_branches, state), (plain, twin))]  # fmt: skip
+    nxt = [
+        p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
+        for p, s in ((with_branches, state), (plain, twin))
+    ]
     same(nxt[0], nxt[1])  # type: ignore[arg-type]
     assert state.cache.length == twin.cache.length
 
@@ -175,8 +186,9 @@ def test_sampled_tokens_through_branch_hits_follow_q(draft: models.LoadedModel) 
     params = SamplingParams(1.0, top_k=6)
     proposer = LlmProposer(draft)
     predrafter = Predrafter(proposer, branches=2, max_sessions=2000)
-    states = [proposer.new_state(PROMPT, SamplingParams(1.0, top_k=6, seed=i), 2)
-              for i in range(1200)]  # fmt: skip
+    states = [
+        proposer.new_state(PROMPT, SamplingParams(1.0, top_k=6, seed=i), 2) for i in range(1200)
+    ]
     for start in range(0, len(states), 64):
         chunk = states[start : start + 64]
         proposer.propose([DraftJob(b"%d" % (start + i), 0, s, 0, ()) for i, s in enumerate(chunk)])

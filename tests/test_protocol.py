@@ -63,7 +63,9 @@ MESSAGES: list[protocol.Message] = [
     Proposal(TAG, 0, np.array([1, 2, 3, 4], dtype=np.int32)),
     Proposal(TAG, 1, np.array([1, 2], dtype=np.int32), np.full((2, 10), 0.1, dtype=np.float32)),
     Proposal(
-        TAG, 2, np.array([1, 2], dtype=np.int32),
+        TAG,
+        2,
+        np.array([1, 2], dtype=np.int32),
         np.array([[0.6, 0.4], [1.0, 0.0]], dtype=np.float32),
         np.array([[1, 7], [2, 0]], dtype=np.int32),
     ),
@@ -76,11 +78,25 @@ MESSAGES: list[protocol.Message] = [
     protocol.StatsRequest(3),
     # with the service curve first: the schema tests below edit the first sample of each type,
     # and a curve array alone, without the rest of its group, is malformed
-    protocol.Stats(3, 1.5, 0.5, 10, 4, 2, 1, 9, 36, 20, 0.01, b"\x02" * 8,
-                   np.array([1, 8], np.int32), np.array([3, 1 << 40], np.int64),
-                   np.array([0.0125, 0.0047], np.float32)),
+    protocol.Stats(
+        3,
+        1.5,
+        0.5,
+        10,
+        4,
+        2,
+        1,
+        9,
+        36,
+        20,
+        0.01,
+        b"\x02" * 8,
+        np.array([1, 8], np.int32),
+        np.array([3, 1 << 40], np.int64),
+        np.array([0.0125, 0.0047], np.float32),
+    ),
     protocol.Stats(3, 1.5, 0.5, 10, 4, 2, 1, 9, 36, 20, 0.01),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
@@ -106,8 +122,19 @@ def _header(version: int, kind: int, body: object) -> bytes:
 V = protocol.PROTOCOL_VERSION
 GOOD_DRAFT = _frames(Draft(TAG, 1, 0, np.array([5], dtype=np.int32)))
 
-_STATS_BODY = {"nonce": 1, "wall_s": 1.0, "busy_s": 0.5, "jobs": 2, "batches": 1, "sessions": 1,
-               "targets": 1, "rounds": 2, "proposed": 8, "accepted": 4, "queue_wait_s": 0.0}
+_STATS_BODY = {
+    "nonce": 1,
+    "wall_s": 1.0,
+    "busy_s": 0.5,
+    "jobs": 2,
+    "batches": 1,
+    "sessions": 1,
+    "targets": 1,
+    "rounds": 2,
+    "proposed": 8,
+    "accepted": 4,
+    "queue_wait_s": 0.0,
+}
 
 BAD_FRAMES = {
     "empty": ([], ErrorCode.MALFORMED),
@@ -127,68 +154,197 @@ BAD_FRAMES = {
     "extra frame": ([*GOOD_DRAFT, b"1234"], ErrorCode.MALFORMED),
     "length != shape": ([GOOD_DRAFT[0], b"\x00" * 5], ErrorCode.MALFORMED),
     "too many frames": ([GOOD_DRAFT[0]] + [b""] * 20, ErrorCode.TOO_LARGE),
-    "oversized header": ([_header(V, Ping.TYPE, {"nonce": 1}) + b"\x00" * 70_000],
-                         ErrorCode.TOO_LARGE),
-    "oversized array": ([
-        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
-                                "arrays": [["appended", "int32", [5_000_000]]]}),
-        b"\x00" * 20_000_000], ErrorCode.TOO_LARGE),
-    "bad dtype": ([
-        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
-                                "arrays": [["appended", "object", [1]]]}), b"\x00" * 8],
-        ErrorCode.MALFORMED),
-    "dtype not a string": ([  # unhashable: once escaped as TypeError, i.e. an INTERNAL reply
-        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
-                                "arrays": [["appended", [1], [1]]]}), b"\x00" * 4],
-        ErrorCode.MALFORMED),
-    "float tokens": ([
-        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
-                                "arrays": [["appended", "float32", [1]]]}), b"\x00" * 4],
-        ErrorCode.MALFORMED),
-    "bad shape": ([
-        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
-                                "arrays": [["appended", "int32", [-1]]]}), b""],
-        ErrorCode.MALFORMED),
-    "wrong rank": ([
-        _header(V, Draft.TYPE, {"tag": TAG, "seq": 1, "accepted": 0,
-                                "arrays": [["appended", "int32", [1, 1]]]}), b"\x00" * 4],
-        ErrorCode.MALFORMED),
-    "huge container": ([_header(V, Ping.TYPE, {"nonce": 1}) [:2]
-                        + msgpack.packb({"nonce": list(range(1000))})], ErrorCode.MALFORMED),
-    "ext type": ([bytes((V, 8)) + msgpack.packb({"nonce": msgpack.ExtType(1, b"x")})],
-                 ErrorCode.MALFORMED),
+    "oversized header": (
+        [_header(V, Ping.TYPE, {"nonce": 1}) + b"\x00" * 70_000],
+        ErrorCode.TOO_LARGE,
+    ),
+    "oversized array": (
+        [
+            _header(
+                V,
+                Draft.TYPE,
+                {
+                    "tag": TAG,
+                    "seq": 1,
+                    "accepted": 0,
+                    "arrays": [["appended", "int32", [5_000_000]]],
+                },
+            ),
+            b"\x00" * 20_000_000,
+        ],
+        ErrorCode.TOO_LARGE,
+    ),
+    "bad dtype": (
+        [
+            _header(
+                V,
+                Draft.TYPE,
+                {"tag": TAG, "seq": 1, "accepted": 0, "arrays": [["appended", "object", [1]]]},
+            ),
+            b"\x00" * 8,
+        ],
+        ErrorCode.MALFORMED,
+    ),
+    "dtype not a string": (
+        [  # unhashable: once escaped as TypeError, i.e. an INTERNAL reply
+            _header(
+                V,
+                Draft.TYPE,
+                {"tag": TAG, "seq": 1, "accepted": 0, "arrays": [["appended", [1], [1]]]},
+            ),
+            b"\x00" * 4,
+        ],
+        ErrorCode.MALFORMED,
+    ),
+    "float tokens": (
+        [
+            _header(
+                V,
+                Draft.TYPE,
+                {"tag": TAG, "seq": 1, "accepted": 0, "arrays": [["appended", "float32", [1]]]},
+            ),
+            b"\x00" * 4,
+        ],
+        ErrorCode.MALFORMED,
+    ),
+    "bad shape": (
+        [
+            _header(
+                V,
+                Draft.TYPE,
+                {"tag": TAG, "seq": 1, "accepted": 0, "arrays": [["appended", "int32", [-1]]]},
+            ),
+            b"",
+        ],
+        ErrorCode.MALFORMED,
+    ),
+    "wrong rank": (
+        [
+            _header(
+                V,
+                Draft.TYPE,
+                {"tag": TAG, "seq": 1, "accepted": 0, "arrays": [["appended", "int32", [1, 1]]]},
+            ),
+            b"\x00" * 4,
+        ],
+        ErrorCode.MALFORMED,
+    ),
+    "huge container": (
+        [_header(V, Ping.TYPE, {"nonce": 1})[:2] + msgpack.packb({"nonce": list(range(1000))})],
+        ErrorCode.MALFORMED,
+    ),
+    "ext type": (
+        [bytes((V, 8)) + msgpack.packb({"nonce": msgpack.ExtType(1, b"x")})],
+        ErrorCode.MALFORMED,
+    ),
     # unknown keys of both str and bytes type: sorting them for the message once raised
     # TypeError (an INTERNAL reply with a traceback) instead of MALFORMED
-    "unknown keys str and bytes": ([_header(V, Ping.TYPE, {"nonce": 1, "zz": 1, b"yy": 2})],
-                                   ErrorCode.MALFORMED),
-    "unknown sampling keys str and bytes": ([
-        _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"zz": 1, b"yy": 2},
-                               "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
-        ErrorCode.MALFORMED),
-    "bad sampling": ([
-        _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": -1.0},
-                               "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
-        ErrorCode.INVALID_ARGUMENT),
-    "nan temperature": ([
-        _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": float("nan")},
-                               "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
-        ErrorCode.INVALID_ARGUMENT),
+    "unknown keys str and bytes": (
+        [_header(V, Ping.TYPE, {"nonce": 1, "zz": 1, b"yy": 2})],
+        ErrorCode.MALFORMED,
+    ),
+    "unknown sampling keys str and bytes": (
+        [
+            _header(
+                V,
+                Open.TYPE,
+                {
+                    "ref": 1,
+                    "gamma": 4,
+                    "sampling": {"zz": 1, b"yy": 2},
+                    "arrays": [["prompt", "int32", [1]]],
+                },
+            ),
+            b"\x00" * 4,
+        ],
+        ErrorCode.MALFORMED,
+    ),
+    "bad sampling": (
+        [
+            _header(
+                V,
+                Open.TYPE,
+                {
+                    "ref": 1,
+                    "gamma": 4,
+                    "sampling": {"temperature": -1.0},
+                    "arrays": [["prompt", "int32", [1]]],
+                },
+            ),
+            b"\x00" * 4,
+        ],
+        ErrorCode.INVALID_ARGUMENT,
+    ),
+    "nan temperature": (
+        [
+            _header(
+                V,
+                Open.TYPE,
+                {
+                    "ref": 1,
+                    "gamma": 4,
+                    "sampling": {"temperature": float("nan")},
+                    "arrays": [["prompt", "int32", [1]]],
+                },
+            ),
+            b"\x00" * 4,
+        ],
+        ErrorCode.INVALID_ARGUMENT,
+    ),
     # a temperature of 1e-38 once decoded fine and the drafter then failed on NaN probabilities
     # the service curve's columns must line up: a row with no count cannot be read
-    "curve lengths differ": ([
-        _header(V, protocol.Stats.TYPE, {**_STATS_BODY, "arrays": [
-            ["batch_sizes", "int32", [2]], ["batch_counts", "int64", [1]],
-            ["batch_busy_s", "float32", [2]]]}), b"\x00" * 8, b"\x00" * 8, b"\x00" * 8],
-        ErrorCode.MALFORMED),
-    "curve without counts": ([
-        _header(V, protocol.Stats.TYPE, {**_STATS_BODY, "arrays": [
-            ["batch_sizes", "int32", [1]], ["batch_busy_s", "float32", [1]]]}),
-        b"\x00" * 4, b"\x00" * 4], ErrorCode.MALFORMED),
-    "tiny temperature": ([
-        _header(V, Open.TYPE, {"ref": 1, "gamma": 4, "sampling": {"temperature": 1e-38},
-                               "arrays": [["prompt", "int32", [1]]]}), b"\x00" * 4],
-        ErrorCode.INVALID_ARGUMENT),
-}  # fmt: skip
+    "curve lengths differ": (
+        [
+            _header(
+                V,
+                protocol.Stats.TYPE,
+                {
+                    **_STATS_BODY,
+                    "arrays": [
+                        ["batch_sizes", "int32", [2]],
+                        ["batch_counts", "int64", [1]],
+                        ["batch_busy_s", "float32", [2]],
+                    ],
+                },
+            ),
+            b"\x00" * 8,
+            b"\x00" * 8,
+            b"\x00" * 8,
+        ],
+        ErrorCode.MALFORMED,
+    ),
+    "curve without counts": (
+        [
+            _header(
+                V,
+                protocol.Stats.TYPE,
+                {
+                    **_STATS_BODY,
+                    "arrays": [["batch_sizes", "int32", [1]], ["batch_busy_s", "float32", [1]]],
+                },
+            ),
+            b"\x00" * 4,
+            b"\x00" * 4,
+        ],
+        ErrorCode.MALFORMED,
+    ),
+    "tiny temperature": (
+        [
+            _header(
+                V,
+                Open.TYPE,
+                {
+                    "ref": 1,
+                    "gamma": 4,
+                    "sampling": {"temperature": 1e-38},
+                    "arrays": [["prompt", "int32", [1]]],
+                },
+            ),
+            b"\x00" * 4,
+        ],
+        ErrorCode.INVALID_ARGUMENT,
+    ),
+}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_FRAMES))
@@ -213,21 +369,41 @@ def test_sampling_params_semantics() -> None:
 # (or divided by a float32 zero) and every draft failed on NaN probabilities (INTERNAL).
 _T_MIN, _T_MAX = params.TEMPERATURE_MIN, params.TEMPERATURE_MAX
 ACCEPTED_SAMPLING = [
-    SamplingParams(0.0), SamplingParams(-0.0), SamplingParams(_T_MIN), SamplingParams(_T_MAX),
-    SamplingParams(1.0, top_k=0), SamplingParams(1.0, top_k=params.TOP_K_MAX),
-    SamplingParams(1.0, top_p=5e-324), SamplingParams(1.0, top_p=1.0),
-    SamplingParams(1.0, seed=None), SamplingParams(1.0, seed=0),
+    SamplingParams(0.0),
+    SamplingParams(-0.0),
+    SamplingParams(_T_MIN),
+    SamplingParams(_T_MAX),
+    SamplingParams(1.0, top_k=0),
+    SamplingParams(1.0, top_k=params.TOP_K_MAX),
+    SamplingParams(1.0, top_p=5e-324),
+    SamplingParams(1.0, top_p=1.0),
+    SamplingParams(1.0, seed=None),
+    SamplingParams(1.0, seed=0),
     SamplingParams(1.0, seed=(1 << 63) - 1),
-]  # fmt: skip
+]
 REFUSED_SAMPLING = {
-    "temperature": [1e-38, 1e-300, 5e-324, -5e-324, math.nextafter(_T_MIN, 0.0),
-                    math.nextafter(_T_MAX, math.inf), -1.0, math.nan, math.inf, -math.inf],
+    "temperature": [
+        1e-38,
+        1e-300,
+        5e-324,
+        -5e-324,
+        math.nextafter(_T_MIN, 0.0),
+        math.nextafter(_T_MAX, math.inf),
+        -1.0,
+        math.nan,
+        math.inf,
+        -math.inf,
+    ],
     "top_k": [-1, params.TOP_K_MAX + 1, 1 << 64, 2.0, True],
     "top_p": [0.0, -0.0, -5e-324, math.nextafter(1.0, 2.0), math.nan, math.inf, -math.inf],
     "seed": [-1, 1 << 63, 1.0],
-}  # fmt: skip
-VALID_RANGE = {"temperature": "0 (greedy) or in [0.01, 100]", "top_k": "[0, 1048576]",
-               "top_p": "(0, 1]", "seed": "[0, 2**63)"}  # fmt: skip
+}
+VALID_RANGE = {
+    "temperature": "0 (greedy) or in [0.01, 100]",
+    "top_k": "[0, 1048576]",
+    "top_p": "(0, 1]",
+    "seed": "[0, 2**63)",
+}
 
 
 @pytest.mark.parametrize("params", ACCEPTED_SAMPLING, ids=repr)
@@ -257,8 +433,9 @@ def test_features_and_empty_arrays_round_trip() -> None:
     out = decode(_frames(msg))
     assert isinstance(out, Draft) and out.features is not None
     assert out.features.dtype == np.float16 and np.array_equal(out.features, features)
-    empty = decode(_frames(Open(1, np.array([5], np.int32), SamplingParams(), 4,
-                                np.zeros((0, 4), np.float16))))  # fmt: skip
+    empty = decode(
+        _frames(Open(1, np.array([5], np.int32), SamplingParams(), 4, np.zeros((0, 4), np.float16)))
+    )
     assert isinstance(empty, Open) and empty.features is not None
     assert empty.features.shape == (0, 4)
 
@@ -270,9 +447,13 @@ SAMPLES: dict[type, protocol.Message] = {type(m): m for m in reversed(MESSAGES)}
 # What each annotation admits on the wire, written out here rather than read from the decoder,
 # so that the decoder's derivation is checked against the dataclasses it claims to follow.
 WIRE: dict[object, set[type]] = {
-    int: {int}, float: {float, int}, str: {str}, bytes: {bytes}, type(None): {type(None)},
+    int: {int},
+    float: {float, int},
+    str: {str},
+    bytes: {bytes},
+    type(None): {type(None)},
     SamplingParams: {dict},
-}  # fmt: skip
+}
 CANDIDATES = [1, 0.5, "s", b"b", None, True, [1], {}]  # one value of each msgpack kind
 
 
@@ -335,9 +516,10 @@ def test_field_types_come_from_annotations(cls: type, name: str, wire: set[type]
 
 ARRAY_CASES = [
     (cls, f.name, f.metadata["array"])
-    for cls in protocol.MESSAGE_TYPES.values() for f in dataclasses.fields(cls)
+    for cls in protocol.MESSAGE_TYPES.values()
+    for f in dataclasses.fields(cls)
     if "array" in f.metadata
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -362,8 +544,9 @@ def test_array_dtypes_and_rank_come_from_field_metadata(cls: type, name: str, sp
 
 def _left_out_with(cls: type, name: str) -> set[str]:
     """``name`` and the arrays of its group (a group is optional as a whole, never in part)."""
-    group = {f.name: f.metadata["array"].group for f in dataclasses.fields(cls)
-             if "array" in f.metadata}  # fmt: skip
+    group = {
+        f.name: f.metadata["array"].group for f in dataclasses.fields(cls) if "array" in f.metadata
+    }
     return {n for n, g in group.items() if g and g == group.get(name)} | {name}
 
 
@@ -430,14 +613,27 @@ def test_hub_stats_curve_round_trips_through_stats() -> None:
     hub = HubStats()
     for jobs, seconds in [(8, 0.005), (1, 0.004), (8, 0.007)]:
         hub.record_batch(jobs, seconds, seconds)
-    msg = protocol.Stats(1, 1.0, hub.busy_s, hub.jobs, hub.batches, 1, 1, 3, 12, 6, 0.0,
-                         **protocol.curve_arrays(hub.service_totals()))  # fmt: skip
+    msg = protocol.Stats(
+        1,
+        1.0,
+        hub.busy_s,
+        hub.jobs,
+        hub.batches,
+        1,
+        1,
+        3,
+        12,
+        6,
+        0.0,
+        **protocol.curve_arrays(hub.service_totals()),
+    )
     out = decode(_frames(msg))
     assert isinstance(out, protocol.Stats)
     assert out.service_totals() == [(1, 1, pytest.approx(0.004)), (8, 2, pytest.approx(0.012))]
     assert protocol.Stats(1, 1.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0).service_totals() == []
-    empty = decode(_frames(protocol.Stats(1, 1.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0,
-                                          **protocol.curve_arrays([]))))  # fmt: skip
+    empty = decode(
+        _frames(protocol.Stats(1, 1.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0, **protocol.curve_arrays([])))
+    )
     assert isinstance(empty, protocol.Stats) and empty.service_totals() == []
 
 

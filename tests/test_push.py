@@ -26,7 +26,7 @@ from edge.batcher import Batcher
 from edge.client import HubClient, TargetInfo, push_for
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
-from starsd import models, protocol, transport
+from starsd import limits, models, protocol, transport
 from starsd.hub.drafters.base import DraftJob
 from starsd.hub.drafters.llm import LlmProposer
 from starsd.hub.predraft import Predrafter
@@ -52,8 +52,11 @@ def test_push_fields_round_trip_and_stay_off_the_wire_at_their_defaults() -> Non
     for msg in (branch, taken, opened):
         assert protocol.decode(protocol.encode(msg)) == msg
     assert protocol.decode(protocol.encode(branch)).branch == (1, 7)  # type: ignore[union-attr]
-    plain = [Proposal(b"t" * 16, 2, ids), Draft(b"t" * 16, 2, 1, ids), Open(1, ids,
-             SamplingParams(), 0)]  # fmt: skip
+    plain = [
+        Proposal(b"t" * 16, 2, ids),
+        Draft(b"t" * 16, 2, 1, ids),
+        Open(1, ids, SamplingParams(), 0),
+    ]
     for msg in plain:
         header = bytes(protocol.encode(msg)[0])
         assert not any(key in header for key in (b"if_accepted", b"taken", b"push"))
@@ -63,9 +66,12 @@ def test_push_fields_round_trip_and_stay_off_the_wire_at_their_defaults() -> Non
 # ------------------------------------------------------------------------------ pre-drafter
 
 
-def _pushing(draft: models.LoadedModel, params: SamplingParams, push: int = 4,
-             history: tuple[int, int] = (0, 0)
-             ) -> tuple[Predrafter, list[Proposal], object]:  # fmt: skip
+def _pushing(
+    draft: models.LoadedModel,
+    params: SamplingParams,
+    push: int = 4,
+    history: tuple[int, int] = (0, 0),
+) -> tuple[Predrafter, list[Proposal], object]:
     """A session's first round, offered with ``push``; every branch its pre-drafter pushed."""
     proposer = LlmProposer(draft)
     pre = Predrafter(proposer, branches=4)
@@ -77,8 +83,11 @@ def _pushing(draft: models.LoadedModel, params: SamplingParams, push: int = 4,
     return pre, sent, state
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, seed=7),
-                                    SamplingParams(1.0, top_k=6, seed=3)], ids=str)
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(0.8, seed=7), SamplingParams(1.0, top_k=6, seed=3)],
+    ids=str,
+)
 def test_a_pushed_branch_is_exactly_the_proposal_drafting_after_its_verdict_sends(
     draft: models.LoadedModel, params: SamplingParams
 ) -> None:
@@ -102,8 +111,10 @@ def test_a_pushed_branch_is_exactly_the_proposal_drafting_after_its_verdict_send
     plain = LlmProposer(draft)
     twin, _ = first_round(plain, params, gamma=3)
     plain.propose([DraftJob(b"s", 1, twin, k, (token,))])
-    nxt = [p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
-           for p, s in ((pre.proposer, state), (plain, twin))]  # fmt: skip
+    nxt = [
+        p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
+        for p, s in ((pre.proposer, state), (plain, twin))
+    ]
     same(nxt[0], nxt[1])  # type: ignore[arg-type]
 
 
@@ -132,8 +143,10 @@ def test_a_branch_goes_out_once_its_gamma_is_drawn_and_is_taken_while_still_draf
     twin, _ = first_round(plain, params, gamma=3)
     (expected,) = plain.propose([DraftJob(b"s", 1, twin, k, (token,))])
     same(taken, expected)
-    nxt = [p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
-           for p, s in ((proposer, state), (plain, twin))]  # fmt: skip
+    nxt = [
+        p.propose([DraftJob(b"s", 2, s, 1, (11,))])[0]
+        for p, s in ((proposer, state), (plain, twin))
+    ]
     same(nxt[0], nxt[1])  # type: ignore[arg-type]
 
 
@@ -167,13 +180,19 @@ def test_a_taken_verdict_is_answered_only_by_the_branch_pushed_for_it(
 
 
 def _table(push: int) -> tuple[SessionTable, object, bytes]:
-    limits = Limits(max_sessions=8, max_sessions_per_target=8, default_gamma=4, max_gamma=8,
-                    lease_s=10.0, vocab_size=64, max_positions=None)  # fmt: skip
+    limits = Limits(
+        max_sessions=8,
+        max_sessions_per_target=8,
+        default_gamma=4,
+        max_gamma=8,
+        lease_s=10.0,
+        vocab_size=64,
+        max_positions=None,
+    )
     table = SessionTable(limits)
     peer = table.welcome(b"r", b"k", "t")
     prompt = np.array([1, 2, 3], dtype=np.int32)
-    session = table.open(peer, Open(1, prompt, SamplingParams(), 4, push=push),
-                         lambda *_: object())  # fmt: skip
+    session = table.open(peer, Open(1, prompt, SamplingParams(), 4, push=push), lambda *_: object())
     table.delivered(session.tag, 0, 4)  # proposal 0 (4 tokens) went out
     return table, peer, session.tag
 
@@ -184,26 +203,39 @@ def test_a_taken_draft_moves_the_session_on_so_the_next_verdict_is_not_busy() ->
     duplicate, to the target), that verdict was dropped and the sequence stalled."""
     table, peer, tag = _table(push=4)
     one = np.array([9], dtype=np.int32)
-    table.draft(peer, Draft(tag, 1, 2, one, taken=3))  # type: ignore[arg-type]
+    _, answered = table.draft(peer, Draft(tag, 1, 2, one, taken=3))  # type: ignore[arg-type]
     session = table.sessions[tag]
     assert session.next_seq == 2 and session.last_gamma == 3 and not session.in_flight
-    table.draft(peer, Draft(tag, 2, 3, one))  # type: ignore[arg-type]
+    assert answered == 4  # proposal 0's tokens; the next verdict answers the branch's 3
+    assert table.draft(peer, Draft(tag, 2, 3, one))[1] == 3  # type: ignore[arg-type]
     assert session.in_flight
 
 
-@pytest.mark.parametrize(("push", "appended", "taken", "why"), [
-    (0, [9], 3, "opened without push"),
-    (4, [9, 10], 3, "one appended token"),
-    (4, [9], 9, "outside 1..8"),
-])  # fmt: skip
-def test_a_taken_draft_that_cannot_fit_a_push_is_refused(push: int, appended: list[int],
-                                                          taken: int, why: str) -> None:
+@pytest.mark.parametrize(
+    ("push", "appended", "taken", "why"),
+    [
+        (0, [9], 3, "opened without push"),
+        (4, [9, 10], 3, "one appended token"),
+        (4, [9], 9, "outside 1..8"),
+    ],
+)
+def test_a_taken_draft_that_cannot_fit_a_push_is_refused(
+    push: int, appended: list[int], taken: int, why: str
+) -> None:
     """Catches a hub that trusts ``taken`` blindly: a target cannot make the hub commit a branch
     it never pushed (no push asked), after a verdict no branch follows, or of any length."""
     table, peer, tag = _table(push)
     with pytest.raises(Refused) as refused:
-        table.draft(peer, Draft(tag, 1, 0, np.array(appended, dtype=np.int32),  # type: ignore[arg-type]
-                                taken=taken))  # fmt: skip
+        table.draft(
+            peer,
+            Draft(
+                tag,
+                1,
+                0,
+                np.array(appended, dtype=np.int32),  # type: ignore[arg-type]
+                taken=taken,
+            ),
+        )
     assert refused.value.code == ErrorCode.INVALID_ARGUMENT and why in refused.value.message
     assert table.sessions[tag].next_seq == 1  # nothing moved
 
@@ -211,7 +243,7 @@ def test_a_taken_draft_that_cannot_fit_a_push_is_refused(push: int, appended: li
 def test_an_open_asking_for_too_many_pushes_is_refused() -> None:
     """Catches an unbounded ``push``: each pushed branch costs the hub a send per round."""
     with pytest.raises(Refused) as refused:
-        _table(push=protocol.MAX_PUSH + 1)
+        _table(push=limits.MAX_PUSH + 1)
     assert refused.value.code == ErrorCode.INVALID_ARGUMENT
 
 
@@ -239,8 +271,9 @@ async def test_the_hub_offers_its_pre_drafted_branches_in_welcome(
     """Catches a hub that pre-drafts but offers no pushes (targets would never ask), and a
     WELCOME whose ``push`` an older target could not read (it is sparse: absent at 0)."""
     assert running_hub.hub.welcome.push == 4
-    assert b"push" not in bytes(protocol.encode(dataclasses.replace(
-        running_hub.hub.welcome, push=0))[0])  # fmt: skip
+    assert b"push" not in bytes(
+        protocol.encode(dataclasses.replace(running_hub.hub.welcome, push=0))[0]
+    )
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -256,9 +289,14 @@ class LargeTargetBackend(TorchBackend):
         return super().forward(*args, **kwargs)
 
 
-async def _speculate(endpoint: str, target: models.LoadedModel, prompts: list[list[int]],
-                     n: int, params: SamplingParams, push: int
-                     ) -> list[TargetSequence]:  # fmt: skip
+async def _speculate(
+    endpoint: str,
+    target: models.LoadedModel,
+    prompts: list[list[int]],
+    n: int,
+    params: SamplingParams,
+    push: int,
+) -> list[TargetSequence]:
     ctx = transport.new_context()
     info = TargetInfo("t", target.vocab_size, target.tokenizer_fingerprint, push=push)
     client = HubClient(ctx, endpoint, info)
@@ -289,16 +327,20 @@ async def test_greedy_with_pushed_branches_equals_generate(
     """Catches a taken branch verified against the wrong verdict or committed out of step with
     the hub (every later proposal would be drafted from another prefix); the hub must really
     have had branches taken, or the test proves nothing."""
-    seqs = await _speculate(running_hub.endpoint, llama_target, PROMPTS, 40, SamplingParams(),
-                            push=4)  # fmt: skip
+    seqs = await _speculate(
+        running_hub.endpoint, llama_target, PROMPTS, 40, SamplingParams(), push=4
+    )
     for prompt, seq in zip(PROMPTS, seqs, strict=True):
         assert seq.generated == _greedy_reference(llama_target, prompt, 40)
     assert _taken(running_hub) > 0
     assert all(s.stats.standalone_steps == 0 for s in seqs)  # no stall (the BUSY race)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(0.8, top_k=2, seed=11),
-                                    SamplingParams(0.3, top_p=0.9, seed=5)], ids=str)
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(0.8, top_k=2, seed=11), SamplingParams(0.3, top_p=0.9, seed=5)],
+    ids=str,
+)
 async def test_seeded_sampling_with_pushes_equals_the_same_run_without(
     running_hub: RunningHub, llama_target: models.LoadedModel, params: SamplingParams
 ) -> None:

@@ -144,8 +144,9 @@ async def test_per_target_session_quota(
     hello = Hello("t", llama_target.vocab_size, llama_target.tokenizer_fingerprint)
     hub.handle(b"A", protocol.encode(hello))
     hub.handle(b"B", protocol.encode(hello))
-    opens = [hub.handle(b"A", protocol.encode(Open(i, PROMPT, SamplingParams(), 4)))[0]
-             for i in range(3)]  # fmt: skip
+    opens = [
+        hub.handle(b"A", protocol.encode(Open(i, PROMPT, SamplingParams(), 4)))[0] for i in range(3)
+    ]
     assert [type(r).__name__ for r in opens] == ["Opened", "Opened", "Error"]
     assert isinstance(opens[2], Error) and opens[2].code == ErrorCode.RESOURCE_EXHAUSTED
     other = hub.handle(b"B", protocol.encode(Open(9, PROMPT, SamplingParams(), 4)))[0]
@@ -268,22 +269,45 @@ def test_fuzz_mutated_messages(fuzz_hub: hub_module.Hub, llama_target: models.Lo
 
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
     | st.text(max_size=20)
     | st.binary(max_size=40),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
-)  # fmt: skip
-_FIELDS = ["ref", "tag", "seq", "accepted", "gamma", "sampling", "nonce", "arrays", "model",
-           "vocab_size", "tokenizer", "version", "prompt", "appended"]  # fmt: skip
+)
+_FIELDS = [
+    "ref",
+    "tag",
+    "seq",
+    "accepted",
+    "gamma",
+    "sampling",
+    "nonce",
+    "arrays",
+    "model",
+    "vocab_size",
+    "tokenizer",
+    "version",
+    "prompt",
+    "appended",
+]
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
-@given(kind=st.integers(0, 20), body=st.dictionaries(st.sampled_from(_FIELDS), _values,
-                                                     max_size=6),
-       arrays=st.lists(st.binary(max_size=64), max_size=3))  # fmt: skip
+@settings(
+    max_examples=3000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    kind=st.integers(0, 20),
+    body=st.dictionaries(st.sampled_from(_FIELDS), _values, max_size=6),
+    arrays=st.lists(st.binary(max_size=64), max_size=3),
+)
 def test_fuzz_structured_bodies(
     fuzz_hub: hub_module.Hub, kind: int, body: dict, arrays: list[bytes]
 ) -> None:

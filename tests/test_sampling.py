@@ -80,8 +80,12 @@ def test_probs_stay_finite_and_normalised_at_the_extremes(
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(0.8, 50, 0.95),
-     SamplingParams(1.3, 5)],
+    [
+        SamplingParams(1.0),
+        SamplingParams(0.7),
+        SamplingParams(0.8, 50, 0.95),
+        SamplingParams(1.3, 5),
+    ],
     ids=repr,
 )
 def test_the_shift_leaves_ordinary_distributions_as_they_were(params: SamplingParams) -> None:
@@ -112,8 +116,9 @@ def _one_hot_logits(tokens: list[int], vocab: int = 8) -> torch.Tensor:
     ],
 )
 def test_greedy_verify(draft: list[int], target_argmax: list[int], expected: tuple) -> None:
-    got = sampling.greedy_verify(torch.tensor(draft, dtype=torch.long),
-                                 _one_hot_logits(target_argmax))  # fmt: skip
+    got = sampling.greedy_verify(
+        torch.tensor(draft, dtype=torch.long), _one_hot_logits(target_argmax)
+    )
     assert got == expected
 
 
@@ -144,8 +149,10 @@ def _chains(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(11)
     p_logits = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5
     q_logits = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5
-    return (sampling.probs_from_logits(p_logits, params),
-            sampling.probs_from_logits(q_logits, params))  # fmt: skip
+    return (
+        sampling.probs_from_logits(p_logits, params),
+        sampling.probs_from_logits(q_logits, params),
+    )
 
 
 def _speculative_round(

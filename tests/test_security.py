@@ -82,8 +82,9 @@ def keys(tmp_path: Path) -> Keys:
     for name in ("hub", "good", "bad"):
         generate_keypair(root, name)
     shutil.copy(root / "good.key", allow_dir / "good.key")
-    return Keys(root, allow_dir, root / "hub.key_secret", root / "good.key_secret",
-                root / "bad.key_secret")  # fmt: skip
+    return Keys(
+        root, allow_dir, root / "hub.key_secret", root / "good.key_secret", root / "bad.key_secret"
+    )
 
 
 async def _start_server(keys: Keys, *, with_auth: bool = True) -> Server:
@@ -413,12 +414,26 @@ def test_cli_refuses_to_overwrite_unless_forced(
 
 def test_cli_runs_as_module(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    gen = [sys.executable, "-m", "starsd.cli", "keys", "generate", "--dir", str(tmp_path),
-           "--name", "t1"]  # fmt: skip
+    gen = [
+        sys.executable,
+        "-m",
+        "starsd.cli",
+        "keys",
+        "generate",
+        "--dir",
+        str(tmp_path),
+        "--name",
+        "t1",
+    ]
     done = subprocess.run(gen, capture_output=True, text=True, timeout=60, env=env, check=False)
     assert done.returncode == 0, done.stderr
-    listed = subprocess.run([sys.executable, "-m", "starsd.cli", "keys", "list", "--dir",
-                             str(tmp_path)], capture_output=True, text=True, timeout=60,
-                            env=env, check=False)  # fmt: skip
+    listed = subprocess.run(
+        [sys.executable, "-m", "starsd.cli", "keys", "list", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     assert listed.returncode == 0, listed.stderr
     assert "t1" in listed.stdout

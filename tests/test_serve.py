@@ -33,14 +33,22 @@ from starsd.hub import metrics as hub_metrics
 
 PROMPTS = ["To be, or not to be", "Now is the winter of", "All the world"]
 N = 24
-CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m.role }}: {{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|bos|>{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @contextlib.asynccontextmanager
 async def _serving(target: models.LoadedModel, **options: object) -> AsyncIterator[serve.Serving]:
-    settings = {"model": "unused", "port": 0, "max_new_tokens": N, "standalone": True,
-                "deadline_ms": 5000.0, **options}  # fmt: skip
+    settings = {
+        "model": "unused",
+        "port": 0,
+        "max_new_tokens": N,
+        "standalone": True,
+        "deadline_ms": 5000.0,
+        **options,
+    }
     config = TargetConfig(**settings)  # type: ignore[arg-type]
     backend = TorchBackend(target)
     factory = functools.partial(job_sequence, backend, config)
@@ -58,8 +66,9 @@ def _expected(target_dir: Path, target: models.LoadedModel, prompt: str) -> tupl
 
 
 @pytest.fixture(scope="module")
-def chat_target(llama_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-                ) -> tuple[Path, models.LoadedModel]:  # fmt: skip
+def chat_target(
+    llama_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, models.LoadedModel]:
     """The tiny target with a chat template, loaded through the real loading code."""
     path = tmp_path_factory.mktemp("chat") / "llama-chat"
     shutil.copytree(llama_pair[0], path)
@@ -73,24 +82,34 @@ async def test_openai_client_greedy_completions_equal_the_target_alone_through_t
     """Bugs caught: a token lost, doubled or reordered between a round's commit and the
     response; usage miscounted; a stream that joins to other text than the response.
     Through the hub (rounds verified), with the openai client, streamed and not."""
-    async with _serving(llama_target, standalone=False, hub=running_hub.endpoint,
-                        concurrency=2) as running:  # fmt: skip
+    async with _serving(
+        llama_target, standalone=False, hub=running_hub.endpoint, concurrency=2
+    ) as running:
         client = _client(running)
         for prompt in PROMPTS[:2]:
             text, n = _expected(llama_pair[0], llama_target, prompt)
-            full = await client.completions.create(model="llama-target", prompt=prompt,
-                                                   max_tokens=N, temperature=0)  # fmt: skip
+            full = await client.completions.create(
+                model="llama-target", prompt=prompt, max_tokens=N, temperature=0
+            )
             assert full.choices[0].text == text
             prompt_tokens = len(models.encode_text(llama_target, prompt))
             assert full.usage is not None
-            assert (full.usage.prompt_tokens, full.usage.completion_tokens,
-                    full.usage.total_tokens) == (prompt_tokens, n, prompt_tokens + n)  # fmt: skip
+            assert (
+                full.usage.prompt_tokens,
+                full.usage.completion_tokens,
+                full.usage.total_tokens,
+            ) == (prompt_tokens, n, prompt_tokens + n)
             assert full.choices[0].finish_reason == ("length" if n == N else "stop")
             figures = full.model_extra["starsd"]  # type: ignore[index]
             assert figures["rounds"] > 0, "the hub never proposed: nothing speculative tested"
             stream = await client.completions.create(
-                model="llama-target", prompt=prompt, max_tokens=N, temperature=0, stream=True,
-                stream_options={"include_usage": True})  # fmt: skip
+                model="llama-target",
+                prompt=prompt,
+                max_tokens=N,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             chunks = [c async for c in stream]
             assert "".join(c.choices[0].text for c in chunks if c.choices) == text
             assert chunks[-1].usage == full.usage and not chunks[-1].choices
@@ -104,16 +123,19 @@ async def test_with_the_hub_down_requests_still_complete_exactly(
     dead = f"tcp://127.0.0.1:{free_port()}"
     prompt = PROMPTS[1]
     text, n = _expected(llama_pair[0], llama_target, prompt)
-    async with _serving(llama_target, standalone=False, hub=dead) as running, \
-            httpx.AsyncClient(timeout=60) as h:  # fmt: skip
+    async with (
+        _serving(llama_target, standalone=False, hub=dead) as running,
+        httpx.AsyncClient(timeout=60) as h,
+    ):
         health = (await h.get(f"{running.url}/health")).json()
         assert health == {"status": "ok", "hub": False, "hubs": {dead: False}}
-        r = await h.post(f"{running.url}/v1/completions",
-                         json={"model": "llama-target", "prompt": prompt, "max_tokens": N})
+        r = await h.post(
+            f"{running.url}/v1/completions",
+            json={"model": "llama-target", "prompt": prompt, "max_tokens": N},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
         assert r.json()["usage"]["completion_tokens"] == n
         assert r.json()["starsd"]["rounds"] == 0
-
 
 
 async def test_serve_with_a_dead_and_a_live_hub_speculates_on_the_live_one(
@@ -125,14 +147,19 @@ async def test_serve_with_a_dead_and_a_live_hub_speculates_on_the_live_one(
     prompt = PROMPTS[0]
     text, _ = _expected(llama_pair[0], llama_target, prompt)
     hubs = f"{dead},{running_hub.endpoint}"
-    async with _serving(llama_target, standalone=False, hub=hubs) as running, \
-            httpx.AsyncClient(timeout=60) as h:  # fmt: skip
+    async with (
+        _serving(llama_target, standalone=False, hub=hubs) as running,
+        httpx.AsyncClient(timeout=60) as h,
+    ):
         health = (await h.get(f"{running.url}/health")).json()
         assert health["hubs"] == {dead: False, running_hub.endpoint: True}
-        r = await h.post(f"{running.url}/v1/completions",
-                         json={"model": "llama-target", "prompt": prompt, "max_tokens": N})
+        r = await h.post(
+            f"{running.url}/v1/completions",
+            json={"model": "llama-target", "prompt": prompt, "max_tokens": N},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
         assert r.json()["starsd"]["rounds"] > 0
+
 
 async def test_chat_through_the_openai_client_streamed_and_not(
     chat_target: tuple[Path, models.LoadedModel],
@@ -144,18 +171,25 @@ async def test_chat_through_the_openai_client_streamed_and_not(
     ids = models.chat_prompt_ids(target, messages)
     assert ids.count(0) == 2, "the template's own BOS tokens, none added"
     prompt = torch.tensor([ids])  # the BOS is id 0: the mask must not read it as padding
-    greedy = target.model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                   do_sample=False, max_new_tokens=N, pad_token_id=0,
-                                   eos_token_id=sorted(target.eos_token_ids))  # fmt: skip
+    greedy = target.model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=False,
+        max_new_tokens=N,
+        pad_token_id=0,
+        eos_token_id=sorted(target.eos_token_ids),
+    )
     expected = models.decode_ids(target, greedy[0, len(ids) :].tolist())
     async with _serving(target) as running:
         client = _client(running)
-        full = await client.chat.completions.create(model="llama-chat", messages=messages,
-                                                    max_completion_tokens=N)  # type: ignore[arg-type]
+        full = await client.chat.completions.create(
+            model="llama-chat", messages=messages, max_completion_tokens=N
+        )  # type: ignore[arg-type]
         assert full.choices[0].message.content == expected
         assert full.usage is not None and full.usage.prompt_tokens == len(ids)
-        stream = await client.chat.completions.create(model="llama-chat", messages=messages,
-                                                      max_tokens=N, stream=True)  # type: ignore[arg-type]
+        stream = await client.chat.completions.create(
+            model="llama-chat", messages=messages, max_tokens=N, stream=True
+        )  # type: ignore[arg-type]
         chunks = [c async for c in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
@@ -169,7 +203,8 @@ async def test_chat_on_a_model_without_a_template_is_a_clear_400(
     async with _serving(llama_target) as running:
         with pytest.raises(openai.BadRequestError) as info:
             await _client(running).chat.completions.create(
-                model="llama-target", messages=[{"role": "user", "content": "Hi"}])
+                model="llama-target", messages=[{"role": "user", "content": "Hi"}]
+            )
         assert "no chat template" in str(info.value)
 
 
@@ -213,8 +248,10 @@ async def test_past_the_queue_bound_a_request_gets_429_with_retry_after(
     llama_target: models.LoadedModel,
 ) -> None:
     """Bug caught: an unbounded backlog (every request admitted, latency without limit)."""
-    async with _serving(llama_target, max_queue=1, concurrency=1) as running, \
-            httpx.AsyncClient(timeout=60) as h:  # fmt: skip
+    async with (
+        _serving(llama_target, max_queue=1, concurrency=1) as running,
+        httpx.AsyncClient(timeout=60) as h,
+    ):
         url = f"{running.url}/v1/completions"
         body = {"model": "llama-target", "prompt": "To be", "max_tokens": 200, "stream": True}
         async with h.stream("POST", url, json=body) as first:
@@ -223,7 +260,7 @@ async def test_past_the_queue_bound_a_request_gets_429_with_retry_after(
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "too_many_requests"
         for _ in range(100):  # the first's slot is freed once its client went away
-            if running.server.engine.admitted == 0:
+            if running.server.requests.admitted == 0:
                 break
             await asyncio.sleep(0.05)
         r = await h.post(url, json={**body, "stream": False, "max_tokens": 2})
@@ -239,8 +276,10 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_hub_session(
     running_hub, llama_target: models.LoadedModel
 ) -> None:
     """Bug caught: a sequence decoded to the end for nobody, its hub session held meanwhile."""
-    async with _serving(llama_target, standalone=False, hub=running_hub.endpoint) as running, \
-            httpx.AsyncClient(timeout=60) as h:  # fmt: skip
+    async with (
+        _serving(llama_target, standalone=False, hub=running_hub.endpoint) as running,
+        httpx.AsyncClient(timeout=60) as h,
+    ):
         body = {"model": "llama-target", "prompt": "To be", "max_tokens": 220, "stream": True}
         async with h.stream("POST", f"{running.url}/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
@@ -254,10 +293,13 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_hub_session(
         while await _hub_sessions(running_hub) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         assert await _hub_sessions(running_hub) == 0
-        assert running.server.engine.admitted == 0
+        assert running.server.requests.admitted == 0
         families = _parse((await h.get(f"{running.url}/metrics")).text)
-        reasons = {s.labels["finished_reason"]: s.value
-                   for s in families["starsd:request_success"] if s.name.endswith("_total")}
+        reasons = {
+            s.labels["finished_reason"]: s.value
+            for s in families["starsd:request_success"]
+            if s.name.endswith("_total")
+        }
         assert reasons == {"abort": 1}, "decoded to the end regardless"
 
 
@@ -268,8 +310,9 @@ def _parse(text: str) -> dict[str, list]:
 
 def _value(families: dict[str, list], sample: str, **labels: str) -> float:
     family = sample.removesuffix("_total").removesuffix("_sum").removesuffix("_count")
-    return sum(s.value for s in families[family]
-               if s.name == sample and labels.items() <= s.labels.items())  # fmt: skip
+    return sum(
+        s.value for s in families[family] if s.name == sample and labels.items() <= s.labels.items()
+    )
 
 
 async def test_both_metrics_endpoints_parse_and_agree_with_per_request_figures(
@@ -279,19 +322,29 @@ async def test_both_metrics_endpoints_parse_and_agree_with_per_request_figures(
     exposition prometheus_client cannot parse; hub counters that disagree with its STATS."""
     exporter = hub_metrics.serve_metrics(running_hub.hub, "127.0.0.1", 0)
     try:
-        async with _serving(llama_target, standalone=False, hub=running_hub.endpoint,
-                            concurrency=3) as running:  # fmt: skip
+        async with _serving(
+            llama_target, standalone=False, hub=running_hub.endpoint, concurrency=3
+        ) as running:
             client = _client(running)
-            replies = await asyncio.gather(*(client.completions.create(
-                model="llama-target", prompt=p, max_tokens=N, temperature=0) for p in PROMPTS))
+            replies = await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model="llama-target", prompt=p, max_tokens=N, temperature=0
+                    )
+                    for p in PROMPTS
+                )
+            )
             figures = [r.model_extra["starsd"] for r in replies]  # type: ignore[index]
             async with httpx.AsyncClient() as h:
                 target = _parse((await h.get(f"{running.url}/metrics")).text)
                 hub = _parse((await h.get(f"http://127.0.0.1:{exporter.port}/metrics")).text)
     finally:
         exporter.close()
-    for name, key in (("num_drafts", "rounds"), ("num_draft_tokens", "proposed"),
-                      ("num_accepted_tokens", "accepted")):  # fmt: skip
+    for name, key in (
+        ("num_drafts", "rounds"),
+        ("num_draft_tokens", "proposed"),
+        ("num_accepted_tokens", "accepted"),
+    ):
         assert _value(target, f"starsd:spec_decode_{name}_total") == sum(f[key] for f in figures)
     accepted = sum(f["accepted"] for f in figures)
     assert accepted > 0
@@ -319,7 +372,8 @@ async def test_an_api_key_is_required_when_set(llama_target: models.LoadedModel)
         with pytest.raises(openai.AuthenticationError):
             await _client(running, "wrong").completions.create(model="llama-target", prompt="x")
         reply = await _client(running, "sesame").completions.create(
-            model="llama-target", prompt="x", max_tokens=2)
+            model="llama-target", prompt="x", max_tokens=2
+        )
         assert reply.usage is not None and reply.usage.completion_tokens <= 2
         async with httpx.AsyncClient() as h:
             assert (await h.get(f"{running.url}/health")).status_code == 200
@@ -350,16 +404,21 @@ async def test_a_stop_string_ends_the_text_before_it_streamed_and_not(
     before = text[: text.index(stop)]
     async with _serving(llama_target) as running:
         client = _client(running)
-        full = await client.completions.create(model="llama-target", prompt=prompt,
-                                               max_tokens=N, stop=[stop, "\x00never"])
+        full = await client.completions.create(
+            model="llama-target", prompt=prompt, max_tokens=N, stop=[stop, "\x00never"]
+        )
         assert (full.choices[0].text, full.choices[0].finish_reason) == (before, "stop")
-        stream = await client.completions.create(model="llama-target", prompt=prompt,
-                                                 max_tokens=N, stop=stop, stream=True)
+        stream = await client.completions.create(
+            model="llama-target", prompt=prompt, max_tokens=N, stop=stop, stream=True
+        )
         chunks = [c async for c in stream]
         assert "".join(c.choices[0].text for c in chunks) == before
         assert chunks[-1].choices[0].finish_reason == "stop"
         async with httpx.AsyncClient() as h:
             families = _parse((await h.get(f"{running.url}/metrics")).text)
-    reasons = {s.labels["finished_reason"]: s.value
-               for s in families["starsd:request_success"] if s.name.endswith("_total")}
+    reasons = {
+        s.labels["finished_reason"]: s.value
+        for s in families["starsd:request_success"]
+        if s.name.endswith("_total")
+    }
     assert reasons == {"stop": 2}

@@ -34,17 +34,37 @@ def test_serve_process_with_a_hub_process_and_both_metrics_endpoints(
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edge.target", "--serve", "--port", "0", "--hub",
-             hub.endpoint, "--model", str(llama_pair[0]), "--deadline-ms", "5000"],
-            stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=REPO)  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "edge.target",
+                "--serve",
+                "--port",
+                "0",
+                "--hub",
+                hub.endpoint,
+                "--model",
+                str(llama_pair[0]),
+                "--deadline-ms",
+                "5000",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            cwd=REPO,
+        )
     STARTED.append(proc)
     url = wait_for(log, r"serving \S+ on (http://\S+)/v1", proc, timeout=120)
     prompt = "To be, or not to be"
-    r = httpx.post(f"{url}/v1/completions", json={"model": "llama-target", "prompt": prompt,
-                                                  "max_tokens": 20}, timeout=120)  # fmt: skip
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "llama-target", "prompt": prompt, "max_tokens": 20},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == models.decode_ids(
-        llama_target, reference(llama_pair[0], prompt, 20))
+        llama_target, reference(llama_pair[0], prompt, 20)
+    )
     accepted = r.json()["starsd"]["accepted"]
     target = _scrape(f"{url}/metrics")
     assert target["starsd:spec_decode_num_accepted_tokens_total"] == accepted

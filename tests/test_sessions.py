@@ -14,8 +14,15 @@ from starsd.hub.sessions import Limits, Peer, Refused, SessionTable
 from starsd.protocol import Draft, ErrorCode, Open, SamplingParams
 
 PROMPT = np.array([5, 17, 33, 8], dtype=np.int32)
-LIMITS = Limits(max_sessions=3, max_sessions_per_target=2, default_gamma=4, max_gamma=8,
-                lease_s=3.0, vocab_size=100, max_positions=64)  # fmt: skip
+LIMITS = Limits(
+    max_sessions=3,
+    max_sessions_per_target=2,
+    default_gamma=4,
+    max_gamma=8,
+    lease_s=3.0,
+    vocab_size=100,
+    max_positions=64,
+)
 
 
 class Clock:
@@ -41,8 +48,13 @@ def _peer(table: SessionTable, rid: bytes, key: bytes | None = None) -> Peer:
     return peer
 
 
-def _open(table: SessionTable, peer: Peer, prompt: np.ndarray = PROMPT, gamma: int = 0,
-          features: np.ndarray | None = None) -> bytes:  # fmt: skip
+def _open(
+    table: SessionTable,
+    peer: Peer,
+    prompt: np.ndarray = PROMPT,
+    gamma: int = 0,
+    features: np.ndarray | None = None,
+) -> bytes:
     msg = Open(1, prompt, SamplingParams(), gamma, features=features)
     return table.open(peer, msg, _state).tag
 
@@ -94,17 +106,19 @@ def test_a_verdict_on_a_span_alone_counts_as_a_gamma_0_round() -> None:
     tag = _delivered_session(table, peer, proposed=0)
     span = np.arange(10, 15, dtype=np.int32)
     _refused(ErrorCode.INVALID_ARGUMENT, table.draft, peer, Draft(tag, 1, 1, span))
-    session = table.draft(peer, Draft(tag, 1, 0, span))
-    assert session.length == len(PROMPT) + 5
+    session, answered = table.draft(peer, Draft(tag, 1, 0, span))
+    assert session.length == len(PROMPT) + 5 and answered == 0
     assert (peer.stats.rounds, peer.stats.alone_rounds) == (0, 1)
     table.delivered(tag, 1, 4)
-    table.draft(peer, Draft(tag, 2, 2, span[:1]))
+    assert table.draft(peer, Draft(tag, 2, 2, span[:1]))[1] == 4  # the proposal it answers
     assert (peer.stats.rounds, peer.stats.alone_rounds, peer.stats.proposed) == (1, 1, 4)
     assert "gamma=2.00 gamma0=0.500" in peer.stats.line()
 
 
-@pytest.mark.parametrize("case", ["draining", "hub full", "target quota", "gamma", "empty",
-                                  "token id", "features unwanted"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    ["draining", "hub full", "target quota", "gamma", "empty", "token id", "features unwanted"],
+)
 def test_each_open_refusal_changes_nothing(case: str) -> None:
     """Catches: a refusal that still allocates a session or a tag, or the wrong error code."""
     table, _ = _table()
@@ -116,12 +130,17 @@ def test_each_open_refusal_changes_nothing(case: str) -> None:
         _open(table, a)
     table.draining = case == "draining"
     before = _snapshot(table)
-    args = {"gamma": (PROMPT, 9, None), "empty": (PROMPT[:0], 0, None),
-            "token id": (np.array([100], dtype=np.int32), 0, None),
-            "features unwanted": (PROMPT, 0, np.zeros((3, 8), np.float16))}.get(
-        case, (PROMPT, 0, None))  # fmt: skip
-    code = {"draining": ErrorCode.SHUTTING_DOWN, "hub full": ErrorCode.RESOURCE_EXHAUSTED,
-            "target quota": ErrorCode.RESOURCE_EXHAUSTED}.get(case, ErrorCode.INVALID_ARGUMENT)
+    args = {
+        "gamma": (PROMPT, 9, None),
+        "empty": (PROMPT[:0], 0, None),
+        "token id": (np.array([100], dtype=np.int32), 0, None),
+        "features unwanted": (PROMPT, 0, np.zeros((3, 8), np.float16)),
+    }.get(case, (PROMPT, 0, None))
+    code = {
+        "draining": ErrorCode.SHUTTING_DOWN,
+        "hub full": ErrorCode.RESOURCE_EXHAUSTED,
+        "target quota": ErrorCode.RESOURCE_EXHAUSTED,
+    }.get(case, ErrorCode.INVALID_ARGUMENT)
     refusal = _refused(code, _open, table, a, *args)
     assert refusal.ref == 1 and _snapshot(table) == before
 
@@ -155,7 +174,7 @@ def test_a_verdict_is_applied_once_and_in_order() -> None:
     _refused(ErrorCode.OUT_OF_ORDER, table.draft, peer, draft)  # seq 0 was the OPEN's
     _refused(ErrorCode.INVALID_ARGUMENT, table.draft, peer, Draft(tag, 1, 5, draft.appended))
     assert peer.stats.rounds == 0
-    session = table.draft(peer, Draft(tag, 1, 2, draft.appended))
+    session, _ = table.draft(peer, Draft(tag, 1, 2, draft.appended))
     assert session.in_flight and peer.stats.rounds == 1 and peer.stats.accepted == 2
     _refused(ErrorCode.BUSY, table.draft, peer, Draft(tag, 1, 2, draft.appended))
     table.delivered(tag, 1, 3)

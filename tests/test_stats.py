@@ -18,10 +18,16 @@ def test_service_curve_after_record_batch() -> None:
     """Catches batches filed under the wrong size (e.g. all under 1, or under the batch count),
     a mean over all batches instead of per size, unsorted rows, and totals that lose a batch."""
     stats = _recorded([(8, 0.005), (1, 0.004), (8, 0.007), (32, 0.010), (1, 0.002)])
-    assert stats.service_totals() == [(1, 2, pytest.approx(0.006)), (8, 2, pytest.approx(0.012)),
-                                      (32, 1, pytest.approx(0.010))]  # fmt: skip
-    assert stats.service_curve() == [(1, 2, pytest.approx(0.003)), (8, 2, pytest.approx(0.006)),
-                                     (32, 1, pytest.approx(0.010))]  # fmt: skip
+    assert stats.service_totals() == [
+        (1, 2, pytest.approx(0.006)),
+        (8, 2, pytest.approx(0.012)),
+        (32, 1, pytest.approx(0.010)),
+    ]
+    assert stats.service_curve() == [
+        (1, 2, pytest.approx(0.003)),
+        (8, 2, pytest.approx(0.006)),
+        (32, 1, pytest.approx(0.010)),
+    ]
     assert stats.batches == 5 and stats.jobs == 50 and stats.mean_batch == pytest.approx(10.0)
     assert stats.busy_s == pytest.approx(0.028)
 

@@ -22,9 +22,15 @@ T_RANGE = "0 (greedy) or in [0.01, 100]"
 
 
 def _run(*args: str, model: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edge.target", "--model", str(model), *args],
-                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120,
-                          check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "edge.target", "--model", str(model), *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
 
 
 def _refused(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -133,8 +139,15 @@ def test_an_unavailable_backend_exits_2_naming_it(
     """Catches an ImportError traceback when the onnxruntime backend (or its runtime) is not
     installed: one line naming the backend, exit 2."""
     monkeypatch.setitem(sys.modules, "edge.backends.onnxruntime", None)
-    argv = ["--model", str(tmp_path / "no"), "--prompt", "x", "--standalone",
-            "--backend", "onnxruntime"]  # fmt: skip
+    argv = [
+        "--model",
+        str(tmp_path / "no"),
+        "--prompt",
+        "x",
+        "--standalone",
+        "--backend",
+        "onnxruntime",
+    ]
     assert target.main(argv) == 2
     err = capsys.readouterr().err
     assert "python -m edge.target: error: the onnxruntime backend is not available" in err, err
@@ -153,3 +166,30 @@ def test_the_progress_bar_shows_for_prompts_on_a_terminal_only(
     bar.close()
     single = target.parse_args(["--prompt", "x", "--standalone"])
     assert target._progress(single, 1).disable
+
+
+async def test_the_cli_and_the_server_hand_the_run_path_the_same_options(
+    llama_target: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a flag that reaches one front end and not the other: --serve built its batcher
+    without gather, so ``--serve --no-gather`` was silently ignored."""
+    from edge import generation
+    from edge.backends.torch import TorchBackend
+    from edge.batcher import Batcher
+
+    seen: list[tuple[int, bool]] = []
+    real = Batcher.__init__
+
+    def spy(self: Batcher, backend: object, max_batch: int = 32, **options: object) -> None:
+        seen.append((max_batch, bool(options.get("gather", True))))
+        real(self, backend, max_batch, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Batcher, "__init__", spy)
+    backend = TorchBackend(llama_target)  # type: ignore[arg-type]
+    flags = ["--no-gather", "--max-batch", "3"]
+    served = generation.RequestQueue(
+        target.parse_args(["--serve", *flags]), backend, None, None, lambda *a: None
+    )  # type: ignore[arg-type]
+    await served.aclose()
+    await target._run_all(target.parse_args(["--prompt", "x", *flags]), backend, [], None, None)
+    assert seen == [(3, False), (3, False)]

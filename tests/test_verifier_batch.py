@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import ENV, REPO, HubProcess, TargetProcess, reference, write_prompts
+from procs import ENV, REPO, HubProcess, TargetProcess, reference
 from scipy import stats
 from tiny_models import build_pair
 
@@ -25,8 +25,8 @@ from edge.backends import BackendUnavailable, load_backend
 from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
 from edge.engine import Engine
-from edge.target import generate_standalone
 from edge.verifier import TargetSequence, step_batch, verify_batch
+from scripts.bench.harness import write_prompts
 from starsd import models, sampling
 from starsd.protocol import SamplingParams
 
@@ -36,14 +36,18 @@ PROMPTS = [[5, 17, 33, 8], [9], [40, 41, 42, 43, 44, 45, 46, 47, 48], [3, 99, 7]
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
-def backend(request: pytest.FixtureRequest, llama_pair: tuple[Path, Path],
-            gpt2_pair: tuple[Path, Path]) -> TorchBackend:  # fmt: skip
+def backend(
+    request: pytest.FixtureRequest, llama_pair: tuple[Path, Path], gpt2_pair: tuple[Path, Path]
+) -> TorchBackend:
     pair = {"llama": llama_pair, "gpt2": gpt2_pair}[request.param]
     return TorchBackend.load(pair[0])
 
 
 def _alone(backend: TorchBackend, prompt: list[int], n: int) -> list[int]:
-    return generate_standalone(TargetSequence(backend, prompt, GREEDY, n)).generated
+    seq = TargetSequence(backend, prompt, GREEDY, n)
+    while not seq.done:  # one forward per token, the sequence alone
+        seq.step()
+    return seq.generated
 
 
 # ------------------------------------------------------------------------------ the backend
@@ -124,15 +128,19 @@ def test_batched_steps_equal_the_target_alone(backend: TorchBackend) -> None:
 def test_batched_prefill_keeps_the_features_a_single_prefill_keeps(backend: TorchBackend) -> None:
     """Catches a batched prefill that keeps padding rows as features (an EAGLE hub would
     draft from garbage) or skips a row."""
-    batched = [TargetSequence(backend, p, GREEDY, 4, collect_features=True, prefill=False)
-               for p in PROMPTS]  # fmt: skip
+    batched = [
+        TargetSequence(backend, p, GREEDY, 4, collect_features=True, prefill=False) for p in PROMPTS
+    ]
     verifier.prefill_batch(backend, batched)
     for seq, prompt in zip(batched, PROMPTS, strict=True):
         alone = TargetSequence(backend, prompt, GREEDY, 4, collect_features=True)
         assert seq.cached == len(prompt) - 1
-        torch.testing.assert_close(seq.features(0, len(prompt) - 1).astype("float32"),
-                                   alone.features(0, len(prompt) - 1).astype("float32"),
-                                   atol=2e-3, rtol=2e-3)  # fmt: skip
+        torch.testing.assert_close(
+            seq.features(0, len(prompt) - 1).astype("float32"),
+            alone.features(0, len(prompt) - 1).astype("float32"),
+            atol=2e-3,
+            rtol=2e-3,
+        )
 
 
 def test_a_bad_row_is_refused_before_any_forward(backend: TorchBackend) -> None:
@@ -163,24 +171,33 @@ def test_a_sampled_row_draws_the_same_alone_and_in_a_batch(backend: TorchBackend
     """Catches rows sharing one generator (a row's draws would depend on its batch mates and
     seeded outputs on the batch composition) or judged with another row's temperature."""
     vocab = backend.info.vocab_size
-    params = [SamplingParams(0.8, 20, 0.95, 7), GREEDY, SamplingParams(1.3, 0, 1.0, 8),
-              SamplingParams(1.0, 5, 1.0, 9)]  # fmt: skip
+    params = [
+        SamplingParams(0.8, 20, 0.95, 7),
+        GREEDY,
+        SamplingParams(1.3, 0, 1.0, 8),
+        SamplingParams(1.0, 5, 1.0, 9),
+    ]
     for rnd in range(3):
         proposals = [_q(vocab, gamma=1 + (i + rnd) % 4, seed=10 * rnd + i) for i in range(4)]
         batch = [TargetSequence(backend, p, s, 16) for p, s in zip(PROMPTS, params, strict=True)]
         alone = [TargetSequence(backend, p, s, 16) for p, s in zip(PROMPTS, params, strict=True)]
         for _ in range(3):
-            rows = [(seq, d, None if seq.params.greedy else q)
-                    for seq, (d, q) in zip(batch, proposals, strict=True)]  # fmt: skip
+            rows = [
+                (seq, d, None if seq.params.greedy else q)
+                for seq, (d, q) in zip(batch, proposals, strict=True)
+            ]
             together = verify_batch(backend, rows)
-            separate = [seq.verify(d, None if seq.params.greedy else q)
-                        for seq, (d, q) in zip(alone, proposals, strict=True)]  # fmt: skip
+            separate = [
+                seq.verify(d, None if seq.params.greedy else q)
+                for seq, (d, q) in zip(alone, proposals, strict=True)
+            ]
             assert together == separate
         assert [s.generated for s in batch] == [s.generated for s in alone]
 
 
-def _first_token_counts(backend: TorchBackend, params: SamplingParams, trials: int,
-                        q: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _first_token_counts(
+    backend: TorchBackend, params: SamplingParams, trials: int, q: torch.Tensor
+) -> torch.Tensor:
     """Counts [V] of the first emitted token over ``trials`` sampled sequences verified 50 at a
     time (with a longer greedy distractor row in every batch, so the counted rows are padded)."""
     vocab = backend.info.vocab_size
@@ -189,8 +206,10 @@ def _first_token_counts(backend: TorchBackend, params: SamplingParams, trials: i
     for start in range(0, trials, 50):
         # Not prefilled: the verify feeds the prompt and the drafts in one go (its logits rows
         # for the drafts are the last gamma + 1).
-        seqs = [TargetSequence(backend, PROMPTS[0], replace_seed(params, start + i), 2,
-                               prefill=False) for i in range(min(50, trials - start))]  # fmt: skip
+        seqs = [
+            TargetSequence(backend, PROMPTS[0], replace_seed(params, start + i), 2, prefill=False)
+            for i in range(min(50, trials - start))
+        ]
         distractor = TargetSequence(backend, PROMPTS[2], GREEDY, 2)
         rows: list[verifier.VerifyRow] = [(distractor, [1, 2, 3], None)]
         for seq in seqs:
@@ -225,8 +244,9 @@ def test_batched_rejection_sampling_keeps_the_target_distribution(
     a wrong residual (the classic bug: resampling from p instead of norm(max(p - q, 0))), which
     the ``no-residual`` case plants and must fail (p-value < 1e-6)."""
     params = SamplingParams(1.0, 20, 1.0, 0)
-    (out,) = backend.forward([TargetSequence(backend, PROMPTS[0], GREEDY, 2).cache],
-                             [[PROMPTS[0][-1]]])  # fmt: skip
+    (out,) = backend.forward(
+        [TargetSequence(backend, PROMPTS[0], GREEDY, 2).cache], [[PROMPTS[0][-1]]]
+    )
     p = sampling.probs_from_logits(out.logits[0], params)  # [V]
     support = torch.topk(p, 6).indices  # q favours a few of p's tokens: p - q is far from p
     q = torch.zeros(2, p.shape[0])
@@ -268,8 +288,9 @@ async def test_max_batch_caps_rows_per_forward(backend: TorchBackend) -> None:
 
 
 @pytest.mark.parametrize("gather", [True, False])
-async def test_a_proposal_due_shortly_joins_the_forward(backend: TorchBackend,
-                                                        gather: bool) -> None:  # fmt: skip
+async def test_a_proposal_due_shortly_joins_the_forward(
+    backend: TorchBackend, gather: bool
+) -> None:
     """Catches a batcher that verifies whatever waits the moment the model thread is free, so
     a target's sequences split into groups that take turns (half the rows per forward, twice
     the forwards: measured at --concurrency 8 through a hub), and one that waits for a
@@ -326,10 +347,19 @@ def test_backends_load_lazily_and_an_absent_one_is_a_clear_error(
 ) -> None:
     """Catches the factory importing every backend (transformers on a slim install) or an
     ImportError traceback for a backend that is not there."""
-    probe = ("import sys, edge.target, edge.engine, edge.backends; "
-             "print('transformers' in sys.modules, 'edge.backends.torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env=ENV, cwd=REPO, timeout=120, check=True).stdout  # fmt: skip
+    probe = (
+        "import sys, edge.target, edge.engine, edge.backends; "
+        "print('transformers' in sys.modules, 'edge.backends.torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        timeout=120,
+        check=True,
+    ).stdout
     assert out.split() == ["False", "False"], out
     monkeypatch.setitem(sys.modules, "edge.backends.onnxruntime", None)
     with pytest.raises(BackendUnavailable, match="onnxruntime backend is not available"):
@@ -342,8 +372,14 @@ def test_backends_load_lazily_and_an_absent_one_is_a_clear_error(
 
 # ------------------------------------------------------------------------------ end to end
 
-E2E_PROMPTS = ["To be, or not to be", "Now is the winter", "All the world", "O",
-               "the slings and arrows of", "whether tis nobler"]  # fmt: skip
+E2E_PROMPTS = [
+    "To be, or not to be",
+    "Now is the winter",
+    "All the world",
+    "O",
+    "the slings and arrows of",
+    "whether tis nobler",
+]
 
 
 def _rows_per_forward(log: str) -> float:
@@ -366,13 +402,28 @@ def test_one_target_at_concurrency_4_batches_and_equals_the_target_alone(
     prompts = write_prompts(tmp_path / "in.jsonl", E2E_PROMPTS)
     hub = HubProcess(draft_dir, tmp_path / "hub.log")
     try:
-        spec = TargetProcess(hub.endpoint, target_dir, prompts, tmp_path / "spec.jsonl",
-                             "--concurrency", "4", "--deadline-ms", "60000")  # fmt: skip
+        spec = TargetProcess(
+            hub.endpoint,
+            target_dir,
+            prompts,
+            tmp_path / "spec.jsonl",
+            "--concurrency",
+            "4",
+            "--deadline-ms",
+            "60000",
+        )
         rows = spec.wait()
     finally:
         hub.stop()
-    alone = TargetProcess(hub.endpoint, target_dir, prompts, tmp_path / "alone.jsonl",
-                          "--concurrency", "4", "--standalone")  # fmt: skip
+    alone = TargetProcess(
+        hub.endpoint,
+        target_dir,
+        prompts,
+        tmp_path / "alone.jsonl",
+        "--concurrency",
+        "4",
+        "--standalone",
+    )
     alone_rows = alone.wait()
     for row, alone_row, prompt in zip(rows, alone_rows, E2E_PROMPTS, strict=True):
         ref = reference(target_dir, prompt, 24)
@@ -398,9 +449,18 @@ def test_the_onnxruntime_backend_through_a_hub_at_concurrency_4_equals_generate(
     prompts = write_prompts(tmp_path / "in.jsonl", E2E_PROMPTS[:4])
     hub = HubProcess(draft_dir, tmp_path / "hub.log")
     try:
-        spec = TargetProcess(hub.endpoint, tmp_path / "onnx", prompts, tmp_path / "out.jsonl",
-                             "--concurrency", "4", "--deadline-ms", "60000", "--backend",
-                             "onnxruntime")  # fmt: skip
+        spec = TargetProcess(
+            hub.endpoint,
+            tmp_path / "onnx",
+            prompts,
+            tmp_path / "out.jsonl",
+            "--concurrency",
+            "4",
+            "--deadline-ms",
+            "60000",
+            "--backend",
+            "onnxruntime",
+        )
         rows = spec.wait()
     finally:
         hub.stop()

@@ -40,11 +40,19 @@ def _llama(vocab: int, layers: int, eos: int) -> object:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.2, tie_word_embeddings=True, bos_token_id=0, eos_token_id=eos,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=eos,
         pad_token_id=eos,
-    )  # fmt: skip
+    )
     return LlamaForCausalLM(config)
 
 
@@ -52,9 +60,16 @@ def _gpt2(vocab: int, layers: int, eos: int) -> object:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=vocab, n_embd=64, n_layer=layers, n_head=4, n_positions=256,
-        initializer_range=0.2, bos_token_id=0, eos_token_id=eos, pad_token_id=eos,
-    )  # fmt: skip
+        vocab_size=vocab,
+        n_embd=64,
+        n_layer=layers,
+        n_head=4,
+        n_positions=256,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
     return GPT2LMHeadModel(config)
 
 

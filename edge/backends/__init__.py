@@ -20,8 +20,9 @@ class BackendUnavailable(RuntimeError):
     """The backend asked for cannot be loaded here (not built, or its runtime not installed)."""
 
 
-def load_backend(name: str, model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
-                 **options: Any) -> VerifierBackend:  # fmt: skip
+def load_backend(
+    name: str, model_dir: str | Path, device: str = "cpu", dtype: str = "float32", **options: Any
+) -> VerifierBackend:
     """Import backend ``name``'s module and load ``model_dir`` with it.
 
     Raises:

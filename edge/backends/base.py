@@ -57,8 +57,12 @@ class VerifierBackend(Protocol):
         """Text of generated ids, special tokens dropped."""
         ...
 
-    def forward(self, caches: Sequence[SequenceCache], feeds: Sequence[Sequence[int]],
-                features: bool = False) -> list[RowOutput]:  # fmt: skip
+    def forward(
+        self,
+        caches: Sequence[SequenceCache],
+        feeds: Sequence[Sequence[int]],
+        features: bool = False,
+    ) -> list[RowOutput]:
         """One forward of every row: ``feeds[i]`` (at least one token) after ``caches[i]``.
 
         The input caches are left as they are (a row's result may share their storage only

@@ -1,7 +1,7 @@
 """Greedy decoding straight over a backend: no sampler, no hub, no batcher.
 
 What checks of a backend's exactness compare with transformers' ``generate()`` (the export
-tests, the ONNX Runtime benchmark, ``scripts/check_gpu_backends.py``); a target decodes through
+tests, the ONNX Runtime benchmark, ``scripts.bench.check_gpu_backends``); a target decodes through
 :mod:`edge.verifier` instead.
 """
 

@@ -101,13 +101,17 @@ class Manifest:
         """Read and check ``directory/manifest.json``; ManifestError says what is wrong."""
         path = Path(directory) / MANIFEST_FILE
         if not path.is_file():
-            raise ManifestError(f"{directory} is not an export directory: no {MANIFEST_FILE} "
-                                "(python -m edge.export MODEL_DIR OUT_DIR makes one)")
+            raise ManifestError(
+                f"{directory} is not an export directory: no {MANIFEST_FILE} "
+                "(python -m edge.export MODEL_DIR OUT_DIR makes one)"
+            )
         try:
             raw = json.loads(path.read_text())
             if raw.get("format") != FORMAT_VERSION:
-                raise ManifestError(f"{path}: format {raw.get('format')!r}, this build reads "
-                                    f"{FORMAT_VERSION}: re-export the model")  # fmt: skip
+                raise ManifestError(
+                    f"{path}: format {raw.get('format')!r}, this build reads "
+                    f"{FORMAT_VERSION}: re-export the model"
+                )
             manifest = cls(**{**raw, "probe": Probe(**raw["probe"])})
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             if isinstance(exc, ManifestError):
@@ -129,8 +133,11 @@ class Manifest:
 
 def source_hash(model_dir: Path) -> str:
     """sha256 of a model directory's config and weights (names and bytes, sorted by name)."""
-    files = sorted(p for p in Path(model_dir).iterdir()
-                   if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))  # fmt: skip
+    files = sorted(
+        p
+        for p in Path(model_dir).iterdir()
+        if p.name == "config.json" or p.suffix in (".safetensors", ".bin")
+    )
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0")

@@ -81,8 +81,9 @@ def parse_providers(text: str) -> tuple[str, ...]:
     return tuple(SHORT_NAMES.get(n.lower(), n) for n in names)
 
 
-def resolve_providers(requested: Sequence[str] | None, available: Sequence[str],
-                      known: Sequence[str]) -> list[str]:  # fmt: skip
+def resolve_providers(
+    requested: Sequence[str] | None, available: Sequence[str], known: Sequence[str]
+) -> list[str]:
     """The providers to open a session with, in order of preference.
 
     Raises:
@@ -98,27 +99,35 @@ def resolve_providers(requested: Sequence[str] | None, available: Sequence[str],
     names = [SHORT_NAMES.get(p.lower(), p) for p in requested]
     unknown = [p for p in names if p not in known]
     if unknown or not names:
-        raise BackendError(f"unknown execution provider(s) {unknown or names}; "
-                           f"known: {', '.join(SHORT_NAMES)} or {', '.join(known)}")  # fmt: skip
+        raise BackendError(
+            f"unknown execution provider(s) {unknown or names}; "
+            f"known: {', '.join(SHORT_NAMES)} or {', '.join(known)}"
+        )
     missing = [p for p in names if p not in available]
     if missing:
-        raise BackendError(f"execution provider(s) {', '.join(missing)} not available in this "
-                           f"onnxruntime build (it has {', '.join(available)}); install "
-                           "onnxruntime-gpu (JetPack's build on a Jetson) or leave them out")
+        raise BackendError(
+            f"execution provider(s) {', '.join(missing)} not available in this "
+            f"onnxruntime build (it has {', '.join(available)}); install "
+            "onnxruntime-gpu (JetPack's build on a Jetson) or leave them out"
+        )
     return names
 
 
 def trt_shapes(manifest: Manifest, profile: TrtProfile) -> dict[str, str]:
     """``trt_profile_{min,opt,max}_shapes`` for every input of the decoder."""
     max_past = profile.max_past or manifest.max_positions or 2048
-    sizes = {"min": (1, 1, 1), "opt": (profile.opt_batch, profile.opt_feed, profile.opt_past),
-             "max": (profile.max_batch, profile.max_feed, max_past)}  # fmt: skip
+    sizes = {
+        "min": (1, 1, 1),
+        "opt": (profile.opt_batch, profile.opt_feed, profile.opt_past),
+        "max": (profile.max_batch, profile.max_feed, max_past),
+    }
     shapes = {}
     for which, (batch, feed, past) in sizes.items():
         dims: dict[str, tuple[int, ...]] = {
-            "input_ids": (batch, feed), "position_ids": (batch, feed),
+            "input_ids": (batch, feed),
+            "position_ids": (batch, feed),
             "attention_mask": (batch, past + feed),
-        }  # fmt: skip
+        }
         for i, heads in enumerate(manifest.kv_heads):
             for kv in ("key", "value"):
                 dims[f"past.{i}.{kv}"] = (batch, heads, past, manifest.head_dim)
@@ -127,8 +136,9 @@ def trt_shapes(manifest: Manifest, profile: TrtProfile) -> dict[str, str]:
     return shapes
 
 
-def provider_options(name: str, manifest: Manifest, profile: TrtProfile,
-                     export_dir: Path) -> dict[str, Any]:  # fmt: skip
+def provider_options(
+    name: str, manifest: Manifest, profile: TrtProfile, export_dir: Path
+) -> dict[str, Any]:
     """ONNX Runtime options of one provider (TensorRT: shape profiles and the engine cache)."""
     if name == CUDA:  # TF32 matmuls would break float32 exactness against the torch model
         return {"use_tf32": 0} if manifest.dtype == "float32" else {}
@@ -136,10 +146,14 @@ def provider_options(name: str, manifest: Manifest, profile: TrtProfile,
         return {}
     cache = Path(profile.cache_dir) if profile.cache_dir else export_dir / "trt-engines"
     cache.mkdir(parents=True, exist_ok=True)
-    return {"trt_engine_cache_enable": True, "trt_engine_cache_path": str(cache),
-            "trt_timing_cache_enable": True, "trt_timing_cache_path": str(cache),
-            "trt_fp16_enable": profile.fp16 or manifest.dtype == "float16",
-            **trt_shapes(manifest, profile)}  # fmt: skip
+    return {
+        "trt_engine_cache_enable": True,
+        "trt_engine_cache_path": str(cache),
+        "trt_timing_cache_enable": True,
+        "trt_timing_cache_path": str(cache),
+        "trt_fp16_enable": profile.fp16 or manifest.dtype == "float16",
+        **trt_shapes(manifest, profile),
+    }
 
 
 class OnnxBackend:
@@ -147,8 +161,9 @@ class OnnxBackend:
 
     name = "onnxruntime"
 
-    def __init__(self, export_dir: str | Path, options: OnnxOptions | None = None,
-                 dtype: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, export_dir: str | Path, options: OnnxOptions | None = None, dtype: str | None = None
+    ) -> None:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
@@ -156,8 +171,10 @@ class OnnxBackend:
         self.options = options or OnnxOptions()
         self.manifest = Manifest.read(self.dir)
         if dtype is not None and dtype != self.manifest.dtype:
-            raise BackendError(f"{self.dir} is a {self.manifest.dtype} export, {dtype} was asked "
-                               f"for: use --dtype {self.manifest.dtype} or export again")
+            raise BackendError(
+                f"{self.dir} is a {self.manifest.dtype} export, {dtype} was asked "
+                f"for: use --dtype {self.manifest.dtype} or export again"
+            )
         self._check_expected()
         self.tokenizer = Tokenizer.from_file(str(self.dir / onnx_manifest.TOKENIZER_FILE))
         self._check_tokenizer()
@@ -172,22 +189,31 @@ class OnnxBackend:
         self.info = self._model_info()
         if self.options.check_probe:
             self.check_probe()
-        log.info("onnxruntime backend: %s (%s, vocab %d, %d layers) on %s, tokenizer %s",
-                 self.info.name, self.manifest.dtype, self.info.vocab_size,
-                 self.manifest.layers, " -> ".join(self.providers),
-                 self.info.tokenizer_fingerprint)  # fmt: skip
+        log.info(
+            "onnxruntime backend: %s (%s, vocab %d, %d layers) on %s, tokenizer %s",
+            self.info.name,
+            self.manifest.dtype,
+            self.info.vocab_size,
+            self.manifest.layers,
+            " -> ".join(self.providers),
+            self.info.tokenizer_fingerprint,
+        )
 
     # ------------------------------------------------------------------ start checks
 
     def _check_expected(self) -> None:
         m, o = self.manifest, self.options
         if o.expect_vocab is not None and o.expect_vocab != m.vocab_size:
-            raise BackendError(f"{self.dir}: exported vocab {m.vocab_size}, the target expects "
-                               f"{o.expect_vocab}: export the target model again")  # fmt: skip
+            raise BackendError(
+                f"{self.dir}: exported vocab {m.vocab_size}, the target expects "
+                f"{o.expect_vocab}: export the target model again"
+            )
         fp = o.expect_fingerprint
         if fp is not None and fp != m.tokenizer_fingerprint:
-            raise BackendError(f"{self.dir}: exported tokenizer fingerprint "
-                               f"{m.tokenizer_fingerprint}, the target expects {fp}")  # fmt: skip
+            raise BackendError(
+                f"{self.dir}: exported tokenizer fingerprint "
+                f"{m.tokenizer_fingerprint}, the target expects {fp}"
+            )
 
     def _check_tokenizer(self) -> None:
         """The tokenizer files must be the ones the manifest was written for."""
@@ -196,25 +222,32 @@ class OnnxBackend:
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         fingerprint = fingerprint_of(vocab, self.manifest.special_tokens)
         if fingerprint != self.manifest.tokenizer_fingerprint:
-            raise BackendError(f"{self.dir}: {onnx_manifest.TOKENIZER_FILE} has fingerprint "
-                               f"{fingerprint}, the manifest says "
-                               f"{self.manifest.tokenizer_fingerprint}: not this model's tokenizer")
+            raise BackendError(
+                f"{self.dir}: {onnx_manifest.TOKENIZER_FILE} has fingerprint "
+                f"{fingerprint}, the manifest says "
+                f"{self.manifest.tokenizer_fingerprint}: not this model's tokenizer"
+            )
         if max(vocab.values(), default=-1) >= self.manifest.vocab_size:
-            raise BackendError(f"{self.dir}: tokenizer ids reach {max(vocab.values())}, beyond "
-                               f"the model's vocab {self.manifest.vocab_size}")  # fmt: skip
+            raise BackendError(
+                f"{self.dir}: tokenizer ids reach {max(vocab.values())}, beyond "
+                f"the model's vocab {self.manifest.vocab_size}"
+            )
 
     def _open_session(self, ort: Any) -> Any:
-        names = resolve_providers(self.options.providers, ort.get_available_providers(),
-                                  ort.get_all_providers())  # fmt: skip
+        names = resolve_providers(
+            self.options.providers, ort.get_available_providers(), ort.get_all_providers()
+        )
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.options.threads or torch.get_num_threads()
         so.inter_op_num_threads = 1
         so.log_severity_level = 3  # errors only: ORT's own warnings are not per-event news
-        providers = [(n, provider_options(n, self.manifest, self.options.trt, self.dir))
-                     for n in names]  # fmt: skip
+        providers = [
+            (n, provider_options(n, self.manifest, self.options.trt, self.dir)) for n in names
+        ]
         try:
-            session = ort.InferenceSession(str(self.dir / onnx_manifest.MODEL_FILE), so,
-                                           providers=providers)  # fmt: skip
+            session = ort.InferenceSession(
+                str(self.dir / onnx_manifest.MODEL_FILE), so, providers=providers
+            )
         except Exception as exc:  # onnxruntime raises its own exception types
             raise BackendError(f"{self.dir}: onnxruntime could not load the model: {exc}") from exc
         used = session.get_providers()
@@ -226,14 +259,19 @@ class OnnxBackend:
         m = self.manifest
         inputs = [i.name for i in self.session.get_inputs()]
         outputs = [o.name for o in self.session.get_outputs()]
-        if inputs != onnx_manifest.input_names(m.layers) or \
-                outputs != onnx_manifest.output_names(m.layers):  # fmt: skip
-            raise BackendError(f"{self.dir}: the graph's inputs/outputs are not those of a "
-                               f"{m.layers}-layer decoder the manifest describes")  # fmt: skip
+        if inputs != onnx_manifest.input_names(m.layers) or outputs != onnx_manifest.output_names(
+            m.layers
+        ):
+            raise BackendError(
+                f"{self.dir}: the graph's inputs/outputs are not those of a "
+                f"{m.layers}-layer decoder the manifest describes"
+            )
         width = self.session.get_outputs()[0].shape[-1]
         if isinstance(width, int) and width != m.vocab_size:
-            raise BackendError(f"{self.dir}: the graph's logits are {width} wide, the manifest "
-                               f"says vocab {m.vocab_size}: manifest and model do not match")
+            raise BackendError(
+                f"{self.dir}: the graph's logits are {width} wide, the manifest "
+                f"says vocab {m.vocab_size}: manifest and model do not match"
+            )
 
     def _model_info(self) -> ModelInfo:
         m = self.manifest
@@ -241,8 +279,14 @@ class OnnxBackend:
         if self.limits is not None:  # a cache beyond the TensorRT profile cannot run
             cap = self.limits.max_past or limit
             limit = min(limit, cap) if limit and cap else (limit or cap)
-        return ModelInfo(m.name, m.vocab_size, m.hidden_size, m.tokenizer_fingerprint,
-                         frozenset(m.eos_token_ids), limit)  # fmt: skip
+        return ModelInfo(
+            m.name,
+            m.vocab_size,
+            m.hidden_size,
+            m.tokenizer_fingerprint,
+            frozenset(m.eos_token_ids),
+            limit,
+        )
 
     def check_probe(self) -> float:
         """Re-run the manifest's probe; BackendError if its logits drifted beyond tolerance.
@@ -252,9 +296,11 @@ class OnnxBackend:
         second = self.forward([first.cache], [probe.second])[0]
         drift = probe.drift(second.logits.numpy())
         if drift > 0:
-            raise BackendError(f"{self.dir}: probe logits differ from the torch model's by "
-                               f"{drift:.3g} beyond tolerance (atol {probe.atol}, rtol "
-                               f"{probe.rtol}) on {' -> '.join(self.providers)}: refusing it")
+            raise BackendError(
+                f"{self.dir}: probe logits differ from the torch model's by "
+                f"{drift:.3g} beyond tolerance (atol {probe.atol}, rtol "
+                f"{probe.rtol}) on {' -> '.join(self.providers)}: refusing it"
+            )
         return drift
 
     # ------------------------------------------------------------------ backend API
@@ -271,8 +317,12 @@ class OnnxBackend:
         """Text of generated ids, special tokens dropped."""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def forward(self, caches: Sequence[SequenceCache], feeds: Sequence[Sequence[int]],
-                features: bool = False) -> list[RowOutput]:  # fmt: skip
+    def forward(
+        self,
+        caches: Sequence[SequenceCache],
+        feeds: Sequence[Sequence[int]],
+        features: bool = False,
+    ) -> list[RowOutput]:
         """One ragged forward (see :class:`edge.backends.base.VerifierBackend`); batches and
         feeds beyond the TensorRT profile run as several session runs."""
         self._check_rows(caches, feeds)
@@ -295,15 +345,16 @@ class OnnxBackend:
         if any(not 0 <= t < self.info.vocab_size for f in feeds for t in f):
             raise ValueError(f"token ids must lie in [0, {self.info.vocab_size})")
 
-    def _chunked(self, caches: list[SequenceCache], feeds: list[list[int]], features: bool,
-                 max_feed: int) -> list[RowOutput]:  # fmt: skip
+    def _chunked(
+        self, caches: list[SequenceCache], feeds: list[list[int]], features: bool, max_feed: int
+    ) -> list[RowOutput]:
         """Run the rows, feeding at most ``max_feed`` tokens per row and run."""
         if max(map(len, feeds)) <= max_feed:
             return self._run(caches, feeds, features)
         # A long prefill on TensorRT: chunks of max_feed, each after the last one's cache.
         pieces: list[list[RowOutput]] = [[] for _ in feeds]
         done = [0] * len(feeds)
-        while (todo := [i for i, f in enumerate(feeds) if done[i] < len(f)]):
+        while todo := [i for i, f in enumerate(feeds) if done[i] < len(f)]:
             chunk = [feeds[i][done[i] : done[i] + max_feed] for i in todo]
             outs = self._run([caches[i] for i in todo], chunk, features)
             for i, o, c in zip(todo, outs, chunk, strict=True):
@@ -311,28 +362,44 @@ class OnnxBackend:
                 caches[i], done[i] = o.cache, done[i] + len(c)
         return [_joined(p) for p in pieces]
 
-    def _run(self, caches: list[SequenceCache], feeds: list[list[int]],
-             features: bool) -> list[RowOutput]:  # fmt: skip
+    def _run(
+        self, caches: list[SequenceCache], feeds: list[list[int]], features: bool
+    ) -> list[RowOutput]:
         """One session run of a ragged batch: gather, run, scatter."""
         batch = RaggedBatch(tuple(c.length for c in caches), tuple(map(len, feeds)), 0)
         pad = max(0, self.min_past - batch.cached_width)  # masked columns TensorRT needs
         width = pad + batch.cached_width + batch.fed_width
-        inputs = {"input_ids": batch.input_ids(feeds), "position_ids": batch.feed_positions(),
-                  "attention_mask": torch.cat([torch.zeros(batch.rows, pad, dtype=torch.long),
-                                               batch.key_mask(width - pad)], dim=1)}  # fmt: skip
+        inputs = {
+            "input_ids": batch.input_ids(feeds),
+            "position_ids": batch.feed_positions(),
+            "attention_mask": torch.cat(
+                [torch.zeros(batch.rows, pad, dtype=torch.long), batch.key_mask(width - pad)], dim=1
+            ),
+        }
         inputs.update(self._gather(batch, caches, pad))
         outputs = self._bind_and_run(inputs, batch.rows, batch.fed_width, width)
-        buffers = [LayerBuffer(outputs[f"present.{i}.key"][:, :, pad:],
-                               outputs[f"present.{i}.value"][:, :, pad:], width - pad)
-                   for i in range(self.manifest.layers)]  # fmt: skip
+        buffers = [
+            LayerBuffer(
+                outputs[f"present.{i}.key"][:, :, pad:],
+                outputs[f"present.{i}.value"][:, :, pad:],
+                width - pad,
+            )
+            for i in range(self.manifest.layers)
+        ]
         logits = outputs["logits"].float().cpu()  # [B, F, V]
         hidden = outputs["hidden"].float().cpu() if features else None  # [B, F, H]
-        return [RowOutput(logits[row, :f], None if hidden is None else hidden[row, :f],
-                          batch.scatter(buffers, row, 0))
-                for row, f in enumerate(batch.fed)]  # fmt: skip
+        return [
+            RowOutput(
+                logits[row, :f],
+                None if hidden is None else hidden[row, :f],
+                batch.scatter(buffers, row, 0),
+            )
+            for row, f in enumerate(batch.fed)
+        ]
 
-    def _gather(self, batch: RaggedBatch, caches: list[SequenceCache],
-                pad: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    def _gather(
+        self, batch: RaggedBatch, caches: list[SequenceCache], pad: int
+    ) -> dict[str, torch.Tensor]:
         """Past keys/values [B, heads, pad + C, d] per layer, each row right-aligned, zeros
         elsewhere. (RaggedBatch.gather allocates room for in-place appends that ONNX Runtime
         does not make; the graph returns the grown cache as new outputs instead.)"""
@@ -350,13 +417,16 @@ class OnnxBackend:
             past[f"past.{layer}.key"], past[f"past.{layer}.value"] = keys, values
         return past
 
-    def _bind_and_run(self, inputs: dict[str, torch.Tensor], rows: int, fed: int,
-                      width: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    def _bind_and_run(
+        self, inputs: dict[str, torch.Tensor], rows: int, fed: int, width: int
+    ) -> dict[str, torch.Tensor]:
         """session.run over torch tensors bound in place (no copies on CPU; on CUDA the cache
         stays on the device), outputs preallocated with their known shapes."""
         m = self.manifest
-        outputs = {"logits": self._empty(rows, fed, m.vocab_size),
-                   "hidden": self._empty(rows, fed, m.hidden_size)}  # fmt: skip
+        outputs = {
+            "logits": self._empty(rows, fed, m.vocab_size),
+            "hidden": self._empty(rows, fed, m.hidden_size),
+        }
         for layer, heads in enumerate(m.kv_heads):
             for kv in ("key", "value"):
                 outputs[f"present.{layer}.{kv}"] = self._empty(rows, heads, width, m.head_dim)
@@ -378,8 +448,13 @@ class OnnxBackend:
     def _where(self, tensor: torch.Tensor) -> tuple[str, int, Any, list[int], int]:
         """(device type, device id, element type, shape, pointer) for an io_binding call."""
         kind = "cuda" if tensor.device.type == "cuda" else "cpu"
-        return (kind, tensor.device.index or 0, _NUMPY[tensor.dtype], list(tensor.shape),
-                tensor.data_ptr())  # fmt: skip
+        return (
+            kind,
+            tensor.device.index or 0,
+            _NUMPY[tensor.dtype],
+            list(tensor.shape),
+            tensor.data_ptr(),
+        )
 
 
 def _joined(pieces: list[RowOutput]) -> RowOutput:
@@ -389,8 +464,9 @@ def _joined(pieces: list[RowOutput]) -> RowOutput:
     return RowOutput(torch.cat([p.logits for p in pieces], dim=0), features, pieces[-1].cache)
 
 
-def load(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
-         **options: Any) -> OnnxBackend:  # fmt: skip
+def load(
+    model_dir: str | Path, device: str = "cpu", dtype: str = "float32", **options: Any
+) -> OnnxBackend:
     """The factory's entry point (:func:`edge.backends.load_backend`): open an export directory.
 
     ``device`` is not used: the providers decide (TensorRT -> CUDA -> CPU, or ``providers=``).
@@ -407,5 +483,13 @@ def load(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
     return backend
 
 
-__all__ = ["BackendError", "ManifestError", "OnnxBackend", "OnnxOptions", "TrtProfile", "load",
-           "parse_providers", "resolve_providers"]  # fmt: skip
+__all__ = [
+    "BackendError",
+    "ManifestError",
+    "OnnxBackend",
+    "OnnxOptions",
+    "TrtProfile",
+    "load",
+    "parse_providers",
+    "resolve_providers",
+]

@@ -2,15 +2,15 @@
 
 Two ways to run a ragged batch:
 
-* pooled (a plain Llama, which runs :mod:`starsd.llama`, or any sdpa model on CPU): every
-  sequence's cache is a slot of one :class:`~starsd.kvpool.KVPool`; a forward writes the rows'
-  new keys in place and attends over their slots, one attention per layer, with no copies of
-  whole caches (:class:`~starsd.kvpool.PooledRows`);
-* gather (elsewhere, e.g. transformers' own attention on CUDA): copy the rows' caches into one
-  padded batch (:class:`~starsd.batch.RaggedBatch`, the code the hub drafts with), run
-  :func:`starsd.models.forward_batch` once, scatter every row's cache back out. The feed is
-  padded on the right (batch.py explains why: a padding query that saw no key would turn into
-  NaN and poison the real rows).
+* pooled (a plain Llama, which runs :mod:`starsd.llama`): every sequence's cache is a slot of
+  one :class:`~starsd.kvpool.KVPool`; a forward writes the rows' new keys in place and attends
+  over their slots, one attention per layer, with no copies of whole caches
+  (:class:`~starsd.kvpool.PooledRows`);
+* gather (any other architecture, which keeps transformers' forward and attention): copy the
+  rows' caches into one padded batch (:class:`~starsd.batch.RaggedBatch`, the code the hub
+  drafts with), run :func:`starsd.models.forward_batch` once, scatter every row's cache back
+  out. The feed is padded on the right (batch.py explains why: a padding query that saw no key
+  would turn into NaN and poison the real rows).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from edge.backends.base import ModelInfo, RowOutput
 from starsd import models
 from starsd.batch import RaggedBatch, SequenceCache
 from starsd.kvpool import KVPool, PooledRows
+from starsd.llama import PaddedKeyValues
 
 
 class TorchBackend:
@@ -33,21 +34,31 @@ class TorchBackend:
 
     def __init__(self, loaded: models.LoadedModel) -> None:
         self.loaded = loaded
-        self.info = ModelInfo(loaded.name, loaded.vocab_size, models.hidden_size(loaded),
-                              loaded.tokenizer_fingerprint, loaded.eos_token_ids,
-                              loaded.max_positions)  # fmt: skip
+        self.info = ModelInfo(
+            loaded.name,
+            loaded.vocab_size,
+            models.hidden_size(loaded),
+            loaded.tokenizer_fingerprint,
+            loaded.eos_token_ids,
+            loaded.max_positions,
+        )
         self.kv_shapes = models.kv_shapes(loaded)  # (kv heads, head dim) per layer
         self.dtype = next(loaded.model.parameters()).dtype
-        # Caches in one pool where the model's attention is ours (starsd.llama, or transformers'
-        # with StarSD's attention on CPU): no gather / scatter copies. Elsewhere the padded batch.
-        pooled = models.use_decode_attention(loaded) or models.uses_row_attention(loaded)
+        # Caches in one pool where the model's attention is ours (starsd.llama): no gather /
+        # scatter copies. Elsewhere the padded batch.
+        pooled = loaded.decoder is not None
         heads, dim = self.kv_shapes[0]
         self.cache_shape = (len(self.kv_shapes), heads, dim)
         self.pool = KVPool(self.cache_shape, self.dtype, loaded.device) if pooled else None
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
-             forward: str = "auto") -> TorchBackend:  # fmt: skip
+    def load(
+        cls,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: str = "float32",
+        forward: str = "auto",
+    ) -> TorchBackend:
         """Load ``model_dir`` (a transformers causal-LM directory) for verification; ``forward``
         "transformers" keeps transformers' own forward even for a plain Llama."""
         if forward not in models.FORWARDS:
@@ -71,33 +82,48 @@ class TorchBackend:
         template refuses them)."""
         return models.chat_prompt_ids(self.loaded, messages)
 
-    def forward(self, caches: Sequence[SequenceCache], feeds: Sequence[Sequence[int]],
-                features: bool = False) -> list[RowOutput]:  # fmt: skip
+    def forward(
+        self,
+        caches: Sequence[SequenceCache],
+        feeds: Sequence[Sequence[int]],
+        features: bool = False,
+    ) -> list[RowOutput]:
         """One padded forward of every row; see :meth:`VerifierBackend.forward`."""
         if self.pool is not None:
             return self._forward_pooled(self.pool, caches, feeds, features)
         batch = RaggedBatch(tuple(c.length for c in caches), tuple(len(f) for f in feeds), 0)
         buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.loaded.device)
         logits, hidden = models.forward_batch(
-            self.loaded, batch.input_ids(feeds), batch.feed_positions(),
-            batch.mask(batch.capacity), buffers, hidden=features,
-        )  # [B, F, V], [B, F, H] or None  # fmt: skip
-        return [RowOutput(logits[row, :fed], _rows(hidden, row, fed),
-                          batch.scatter(buffers, row, 0))
-                for row, fed in enumerate(batch.fed)]  # fmt: skip
+            self.loaded,
+            batch.input_ids(feeds),
+            batch.feed_positions(),
+            PaddedKeyValues(buffers, batch.mask(batch.capacity)),
+            hidden=features,
+        )  # [B, F, V], [B, F, H] or None
+        return [
+            RowOutput(logits[row, :fed], _rows(hidden, row, fed), batch.scatter(buffers, row, 0))
+            for row, fed in enumerate(batch.fed)
+        ]
 
-    def _forward_pooled(self, pool: KVPool, caches: Sequence[SequenceCache],
-                        feeds: Sequence[Sequence[int]],
-                        features: bool) -> list[RowOutput]:  # fmt: skip
+    def _forward_pooled(
+        self,
+        pool: KVPool,
+        caches: Sequence[SequenceCache],
+        feeds: Sequence[Sequence[int]],
+        features: bool,
+    ) -> list[RowOutput]:
         """Every row in its pool slot: the new positions are written after its cached ones (so
         the input caches' positions stay as they are)."""
         fed = tuple(len(f) for f in feeds)
         rows = PooledRows(pool, caches, fed)
         layout = RaggedBatch(rows.start, fed, 0)  # for the padded ids and the positions
-        logits, hidden = models.forward_rows(self.loaded, rows, layout.input_ids(feeds),
-                                             layout.feed_positions(), hidden=features)  # fmt: skip
-        return [RowOutput(logits[row, :f], _rows(hidden, row, f), rows.result(row))
-                for row, f in enumerate(fed)]  # fmt: skip
+        logits, hidden = models.forward_batch(
+            self.loaded, layout.input_ids(feeds), layout.feed_positions(), rows, hidden=features
+        )
+        return [
+            RowOutput(logits[row, :f], _rows(hidden, row, f), rows.result(row))
+            for row, f in enumerate(fed)
+        ]
 
     def close(self) -> None:
         """Nothing to release beyond what the garbage collector frees."""
@@ -108,7 +134,8 @@ def _rows(hidden: torch.Tensor | None, row: int, fed: int) -> torch.Tensor | Non
     return None if hidden is None else hidden[row, :fed]
 
 
-def load(model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
-         forward: str = "auto") -> TorchBackend:  # fmt: skip
+def load(
+    model_dir: str | Path, device: str = "cpu", dtype: str = "float32", forward: str = "auto"
+) -> TorchBackend:
     """The factory's entry point (see :func:`edge.backends.load_backend`)."""
     return TorchBackend.load(model_dir, device, dtype, forward)

@@ -8,8 +8,8 @@ import logging
 import os
 import signal
 
-from starsd import keys, models, protocol, transport
-from starsd.hub import HubConfig, auth, build_hub
+from starsd import keys, limits, models, protocol, transport
+from starsd.hub import Hub, HubConfig, auth, build_hub
 from starsd.hub.drafters import KINDS
 
 log = logging.getLogger("starsd.hub")
@@ -17,75 +17,125 @@ log = logging.getLogger("starsd.hub")
 
 def parse_args(argv: list[str] | None = None) -> HubConfig:
     """argparse -> HubConfig."""
-    p = argparse.ArgumentParser(prog="python -m starsd.hub",
-                                description="StarSD draft hub: one ROUTER, many targets")
-    p.add_argument("--model", default=str(models.DEFAULT_DRAFT_DIR),
-                   help="draft model dir or hub id")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m starsd.hub", description="StarSD draft hub: one ROUTER, many targets"
+    )
+    p.add_argument("--model", help="draft model dir or hub id (default: the draft of --pair)")
+    p.add_argument(
+        "--pair",
+        default=models.DEFAULT_PAIR,
+        choices=sorted(models.PAIRS),
+        help="the project's model pair whose draft (and, for --draft-kind eagle, target) is "
+        "the default: smollm2 (SmolLM2-135M-Instruct, made by make install) or toy (the "
+        "committed 3.5M/0.6M pair)",
+    )
     p.add_argument("--bind", default=HubConfig.bind)
-    p.add_argument("--gamma", type=_gamma, default=HubConfig.gamma,
-                   help="draft tokens per round: auto (default) chooses per session and round "
-                        "from its acceptance and the hub's load (0 when speculation does not "
-                        "pay: the target decodes alone for a while); N in 0..--max-gamma fixes "
-                        "it. An OPEN naming a gamma keeps its own")  # fmt: skip
+    p.add_argument(
+        "--gamma",
+        type=_gamma,
+        default=HubConfig.gamma,
+        help="draft tokens per round: auto (default) chooses per session and round "
+        "from its acceptance and the hub's load (0 when speculation does not "
+        "pay: the target decodes alone for a while); N in 0..--max-gamma fixes "
+        "it. An OPEN naming a gamma keeps its own",
+    )
     p.add_argument("--max-gamma", type=int, default=HubConfig.max_gamma)
     p.add_argument("--device", default=HubConfig.device, help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default=HubConfig.dtype, choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--forward", default=HubConfig.forward, choices=models.FORWARDS,
-                   help="auto: a plain Llama runs StarSD's plain-torch forward (starsd/llama.py); "
-                        "transformers: always transformers' own")
+    p.add_argument(
+        "--forward",
+        default=HubConfig.forward,
+        choices=models.FORWARDS,
+        help="auto: a plain Llama runs StarSD's plain-torch forward (starsd/llama.py); "
+        "transformers: always transformers' own",
+    )
     p.add_argument("--max-sessions", type=int, default=HubConfig.max_sessions)
-    p.add_argument("--max-sessions-per-target", type=int,
-                   default=HubConfig.max_sessions_per_target)  # fmt: skip
+    p.add_argument("--max-sessions-per-target", type=int, default=HubConfig.max_sessions_per_target)
     p.add_argument("--threads", type=int, default=HubConfig.threads, help="torch threads")
     p.add_argument("--stats-interval", type=float, default=HubConfig.stats_interval)
-    p.add_argument("--draft-kind", default=HubConfig.draft_kind,
-                   choices=KINDS,
-                   help="llm: a draft causal LM (--model); eagle: an EAGLE head (--model) on "
-                        "the target's embedding and LM head (--target); null: no model work")
-    p.add_argument("--target", help="eagle: the target model directory (default: the "
-                                    "project's default target)")  # fmt: skip
-    p.add_argument("--heartbeat-s", type=float, default=HubConfig.heartbeat_s,
-                   help="liveness interval; a target silent for "
-                   f"{protocol.LIVENESS_INTERVALS} intervals is freed")
+    p.add_argument(
+        "--draft-kind",
+        default=HubConfig.draft_kind,
+        choices=KINDS,
+        help="llm: a draft causal LM (--model); eagle: an EAGLE head (--model) on "
+        "the target's embedding and LM head (--target); null: no model work",
+    )
+    p.add_argument(
+        "--target", help="eagle: the target model directory (default: the project's default target)"
+    )
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=HubConfig.heartbeat_s,
+        help="liveness interval; a target silent for "
+        f"{protocol.LIVENESS_INTERVALS} intervals is freed",
+    )
     p.add_argument("--drain-timeout-s", type=float, default=HubConfig.drain_timeout_s)
     p.add_argument("--curve-secret", help="the hub's key pair (starsd keys generate)")
     p.add_argument("--allow-dir", help="directory of allowed targets' public .key files")
-    p.add_argument("--peer-budget", type=float, default=HubConfig.peer_budget,
-                   help="messages per second a connection may send besides accepted DRAFTs, "
-                        "plus as many per session it holds (5 s of burst); the excess is "
-                        "dropped unread. 0: no limit (benchmarks of the bare message path)")
-    p.add_argument("--max-batch", type=int, default=HubConfig.max_batch,
-                   help="draft jobs (sessions) drafted together in one batched forward, taken "
-                        "fairly across targets; 1 drafts one session at a time")
-    p.add_argument("--gather", action=argparse.BooleanOptionalAction, default=HubConfig.gather,
-                   help="before drafting a batch, wait (at most one batch's service time) for "
-                        "the verdicts due by then, so targets share batches instead of "
-                        "splitting into groups that take turns")
-    p.add_argument("--predraft-branches", type=int, default=HubConfig.predraft_branches,
-                   help="while no job waits, draft ahead for this many likely verdicts per "
-                        "session whose proposal is out (draft-kind llm); 0 turns it off")
-    p.add_argument("--predraft-max-in-flight", type=int,
-                   default=HubConfig.predraft_max_in_flight,
-                   help="pre-draft only while at most this many proposals are out (with more, "
-                        "pre-draft steps delay real jobs more than their hits save)")
-    p.add_argument("--metrics-port", type=int,
-                   help="serve Prometheus metrics on http://--metrics-host:PORT/metrics (off "
-                        "by default)")  # fmt: skip
+    p.add_argument(
+        "--peer-budget",
+        type=float,
+        default=HubConfig.peer_budget,
+        help="messages per second a connection may send besides accepted DRAFTs, "
+        "plus as many per session it holds (5 s of burst); the excess is "
+        "dropped unread. 0: no limit (benchmarks of the bare message path)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=HubConfig.max_batch,
+        help="draft jobs (sessions) drafted together in one batched forward, taken "
+        "fairly across targets; 1 drafts one session at a time",
+    )
+    p.add_argument(
+        "--gather",
+        action=argparse.BooleanOptionalAction,
+        default=HubConfig.gather,
+        help="before drafting a batch, wait (at most one batch's service time) for "
+        "the verdicts due by then, so targets share batches instead of "
+        "splitting into groups that take turns",
+    )
+    p.add_argument(
+        "--predraft-branches",
+        type=int,
+        default=HubConfig.predraft_branches,
+        help="while no job waits, draft ahead for this many likely verdicts per "
+        "session whose proposal is out (draft-kind llm); 0 turns it off",
+    )
+    p.add_argument(
+        "--predraft-max-in-flight",
+        type=int,
+        default=HubConfig.predraft_max_in_flight,
+        help="pre-draft only while at most this many proposals are out (with more, "
+        "pre-draft steps delay real jobs more than their hits save)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on http://--metrics-host:PORT/metrics (off by default)",
+    )
     p.add_argument("--metrics-host", default=HubConfig.metrics_host)
-    p.add_argument("--insecure", action="store_true",
-                   help="allow plain text on a non-loopback --bind (trusted networks only)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plain text on a non-loopback --bind (trusted networks only)",
+    )
     args = p.parse_args(argv)
+    pair = args.__dict__.pop("pair")
+    args.model = args.model or str(models.PAIRS[pair][1])
+    if args.draft_kind == "eagle" and args.target is None:
+        args.target = str(models.PAIRS[pair][0])
     if args.max_batch < 1:
         p.error(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.predraft_branches < 0:
         p.error(f"--predraft-branches must be >= 0, got {args.predraft_branches}")
     if args.predraft_max_in_flight < 1:
         p.error(f"--predraft-max-in-flight must be >= 1, got {args.predraft_max_in_flight}")
-    if args.max_gamma < 1:
-        p.error(f"--max-gamma must be at least 1, got {args.max_gamma}")
+    if not 1 <= args.max_gamma <= limits.MAX_GAMMA:
+        p.error(f"--max-gamma must be in 1..{limits.MAX_GAMMA}, got {args.max_gamma}")
     if args.gamma != "auto" and not 0 <= args.gamma <= args.max_gamma:
-        p.error(f"--gamma must be auto or in 0..{args.max_gamma} (--max-gamma), "
-                f"got {args.gamma}")  # fmt: skip
+        p.error(f"--gamma must be auto or in 0..{args.max_gamma} (--max-gamma), got {args.gamma}")
     config = HubConfig(**vars(args))
     if (config.curve_secret is None) != (config.allow_dir is None):
         p.error("--curve-secret and --allow-dir go together")
@@ -102,9 +152,8 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor an integer") from None
 
 
-async def run(config: HubConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then drain."""
-    hub = build_hub(config)
+async def run(config: HubConfig, hub: Hub) -> None:
+    """Serve ``hub`` until SIGINT/SIGTERM, then drain."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, hub.stop)
@@ -130,8 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     config = parse_args(argv)
+    try:  # a model that does not load (a bad head, a draft vocabulary out of range): one line
+        hub = build_hub(config)
+    except (ValueError, OSError) as exc:
+        log.error("cannot start the hub: %s", exc)
+        return 2
     try:
-        transport.run_loop(run(config))
+        transport.run_loop(run(config, hub))
     except (auth.InsecureEndpointError, keys.KeyFileError) as exc:
         log.error("%s", exc)
         return 2

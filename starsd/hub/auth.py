@@ -148,8 +148,13 @@ class AllowList:
             return False
         added = sorted(names[k] for k in self._keys - old)
         removed = sorted(old_names[k] for k in old - self._keys)
-        log.info("allow list %s: %d keys (added %s; removed %s)", self.directory,
-                 len(self._keys), added or "none", removed or "none")  # fmt: skip
+        log.info(
+            "allow list %s: %d keys (added %s; removed %s)",
+            self.directory,
+            len(self._keys),
+            added or "none",
+            removed or "none",
+        )
         return True
 
     def maybe_reload(self) -> bool:
@@ -194,8 +199,11 @@ class AllowList:
                 log.warning("allow list: skipping %s", exc)
                 continue
             if secret is not None:
-                log.warning("allow list: %s contains a SECRET key; it belongs on the target "
-                            "only. Using its public half.", path)  # fmt: skip
+                log.warning(
+                    "allow list: %s contains a SECRET key; it belongs on the target "
+                    "only. Using its public half.",
+                    path,
+                )
             names[public.decode("ascii")] = path.name.removesuffix(PUBLIC_SUFFIX)
         return names
 
@@ -277,8 +285,10 @@ def check_plaintext_endpoint(endpoint: str, *, allow_insecure: bool = False) -> 
     """
     if is_loopback(endpoint):
         return
-    message = (f"plain text (no CURVE) on {endpoint}, which other machines can reach: anyone "
-               "who can connect can read and send StarSD traffic")  # fmt: skip
+    message = (
+        f"plain text (no CURVE) on {endpoint}, which other machines can reach: anyone "
+        "who can connect can read and send StarSD traffic"
+    )
     if not allow_insecure:
         raise InsecureEndpointError(message + "; use --curve-secret and --allow-dir")
     log.warning(message)

@@ -8,7 +8,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from starsd import models, protocol
+from starsd import limits, models, protocol
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import Proposer
 from starsd.hub.server import Hub
@@ -39,7 +39,7 @@ def build_hub(config: HubConfig) -> Hub:
     )
     predrafter = predrafter_for(proposer, config)
     if predrafter is not None:  # its branches go to the sessions that ask for them
-        welcome = dataclasses.replace(welcome, push=min(predrafter.branches, protocol.MAX_PUSH))
+        welcome = dataclasses.replace(welcome, push=min(predrafter.branches, limits.MAX_PUSH))
     return Hub(config, proposer, welcome, predrafter)
 
 
@@ -50,36 +50,60 @@ def predrafter_for(proposer: Proposer, config: HubConfig) -> Predrafter | None:
 
     if not isinstance(proposer, LlmProposer) or config.predraft_branches == 0:
         return None
-    return Predrafter(proposer, config.predraft_branches, rows=min(32, config.max_batch),
-                      max_sessions=config.max_sessions,
-                      max_in_flight=config.predraft_max_in_flight,
-                      reach=1 if config.auto_gamma else 0)  # fmt: skip
+    return Predrafter(
+        proposer,
+        config.predraft_branches,
+        rows=min(32, config.max_batch),
+        max_sessions=config.max_sessions,
+        max_in_flight=config.predraft_max_in_flight,
+        reach=1 if config.auto_gamma else 0,
+    )
 
 
 def load_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
     """The proposer of ``config.draft_kind`` and the tokenizer it drafts in."""
     if config.draft_kind == "eagle":
         return _eagle_proposer(config)
-    draft = models.load_causal_lm(config.model, config.device, config.dtype,
-                                  lean=config.forward == "auto")
-    info = models.TokenizerInfo(draft.name, draft.vocab_size, draft.tokenizer_fingerprint,
-                                draft.max_positions)  # fmt: skip
+    from starsd.hub.drafters.vocab import load_draft_vocab
+
+    vocab = load_draft_vocab(config.model)
+    draft = models.load_causal_lm(
+        config.model, config.device, config.dtype, lean=config.forward == "auto"
+    )
+    if vocab is not None and draft.vocab_size != vocab.size + 1:
+        raise ValueError(
+            f"{config.model}: a draft over {vocab.size} tokens has {vocab.size + 1} "
+            f"token rows (the last for the rest), this one {draft.vocab_size}"
+        )
+    size = draft.vocab_size if vocab is None else vocab.target_size  # WELCOME speaks target ids
+    info = models.TokenizerInfo(draft.name, size, draft.tokenizer_fingerprint, draft.max_positions)
     if config.draft_kind == "null":
         from starsd.hub.drafters.null import NullProposer
 
         return NullProposer(), info
     from starsd.hub.drafters.llm import LlmProposer
 
-    return LlmProposer(draft), info
+    if vocab is not None:
+        log.info(
+            "draft %s predicts over %d of the target's %d tokens",
+            draft.name,
+            vocab.size,
+            vocab.target_size,
+        )
+    return LlmProposer(draft, vocab), info
 
 
 def _eagle_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
-    from starsd import eagle
+    from starsd.hub.drafters import eagle_head as eagle
     from starsd.hub.drafters.eagle import EagleProposer
 
     target_dir = config.target or str(models.DEFAULT_TARGET_DIR)
     head = eagle.load_eagle_head(config.model, target_dir, config.dtype, config.device)
     info = models.load_tokenizer_info(target_dir)
-    log.info("EAGLE head %s on target %s's embedding and LM head (width %d)", config.model,
-             info.name, head.config.hidden_size)  # fmt: skip
+    log.info(
+        "EAGLE head %s on target %s's embedding and LM head (width %d)",
+        config.model,
+        info.name,
+        head.config.hidden_size,
+    )
     return EagleProposer(head, info.max_positions), info

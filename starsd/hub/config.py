@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from starsd.hub import auth
+from starsd.limits import MAX_GAMMA
 from starsd.models import FORWARDS
 
 AUTO_START_GAMMA = 4  # --gamma auto: a session's first rounds, until its estimate has data
@@ -52,15 +53,19 @@ class HubConfig:
         if self.predraft_branches < 0:
             raise ValueError(f"predraft_branches must be >= 0, got {self.predraft_branches}")
         if self.predraft_max_in_flight < 1:
-            raise ValueError("predraft_max_in_flight must be >= 1, got "
-                             f"{self.predraft_max_in_flight}")  # fmt: skip
-        if self.max_gamma < 1:
-            raise ValueError(f"max_gamma must be at least 1, got {self.max_gamma}")
+            raise ValueError(
+                f"predraft_max_in_flight must be >= 1, got {self.predraft_max_in_flight}"
+            )
+        if not 1 <= self.max_gamma <= MAX_GAMMA:  # a target refuses longer proposals
+            raise ValueError(f"max_gamma must be in 1..{MAX_GAMMA}, got {self.max_gamma}")
         if self.gamma != "auto" and (
-                isinstance(self.gamma, bool) or not isinstance(self.gamma, int)
-                or not 0 <= self.gamma <= self.max_gamma):  # fmt: skip
-            raise ValueError(f"gamma must be 'auto' or an integer in 0..{self.max_gamma}, "
-                             f"got {self.gamma!r}")  # fmt: skip
+            isinstance(self.gamma, bool)
+            or not isinstance(self.gamma, int)
+            or not 0 <= self.gamma <= self.max_gamma
+        ):
+            raise ValueError(
+                f"gamma must be 'auto' or an integer in 0..{self.max_gamma}, got {self.gamma!r}"
+            )
 
     @property
     def auto_gamma(self) -> bool:

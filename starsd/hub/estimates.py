@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from starsd.service import ServiceCurve
+
 # an outcome's variance in the shift test at least that of alpha 0.9: near alpha 1 a rejection
 # is rare but not a shift (false alarms at a steady 0.95, gamma 14: 0.6 per 100 rounds with a
 # floor of 0.05, 0.13 with 0.09)
@@ -42,9 +44,16 @@ class AcceptanceEstimate:
     Owned by the drafting thread (it lives in :class:`SessionPacing`).
     """
 
-    def __init__(self, max_gamma: int, prior: float = 0.6, weight: float = 2.0,
-                 forget: float = 0.97, shift_z: float = 3.5, shift_keep: float = 0.0,
-                 shift_memory: float = 0.7) -> None:  # fmt: skip
+    def __init__(
+        self,
+        max_gamma: int,
+        prior: float = 0.6,
+        weight: float = 2.0,
+        forget: float = 0.97,
+        shift_z: float = 3.5,
+        shift_keep: float = 0.0,
+        shift_memory: float = 0.7,
+    ) -> None:
         self.max_gamma = max_gamma
         self.prior, self.weight, self.forget = prior, weight, forget
         self.shift_z, self.shift_keep, self.shift_memory = shift_z, shift_keep, shift_memory
@@ -145,6 +154,10 @@ class LinearFit:
     def known(self) -> bool:
         return self.w > 0.0
 
+    def slope_told(self) -> bool:
+        """Whether x has varied enough (now or before) for the slope to be the data's."""
+        return self.spread()[0] >= self.ridge or self.slope_prior > 0.0
+
     def spread(self) -> tuple[float, float]:
         """(variance, covariance) sums of x and y about their means."""
         mx, my = self.sx / self.w, self.sy / self.w
@@ -173,11 +186,10 @@ class ServiceModel:
     Robust to a stall: once anything is known, a batch counts as at most ``clip`` times the
     cost predicted for it (one 50 ms batch, the first of its size, priced every proposal of a
     batch of 8 at 50 ms for dozens of batches, and its sessions decoded alone; a lasting
-    slow-down still comes through, by up to ``clip`` times per batch). Between measured sizes a
-    and b are linear in B; below the smallest they are its; above the largest they go on along
-    the last two sizes' line, never below the largest's (as :class:`starsd.analytic.ServiceCurve`).
+    slow-down still comes through, by up to ``clip`` times per batch). Between measured sizes,
+    below and above them: :class:`starsd.service.ServiceCurve`, the one model of S(B, g).
 
-    Owned by the drafting thread (the pacing glue records each batch it drafts).
+    Owned by the drafting thread (:class:`starsd.hub.pacing.Pacer` records each batch drafted).
     """
 
     def __init__(self, forget: float = 0.95, ridge: float = 8.0, clip: float = 2.0) -> None:
@@ -186,6 +198,7 @@ class ServiceModel:
         self._sizes: list[int] = []  # sorted keys of fits
         self._memo: dict[tuple[int, int], list[float]] = {}  # costs() since the last observe
         self._line: tuple[float, float] | None = None  # _step_line() since the last observe
+        self._curve: ServiceCurve | None = None  # curve() since the last observe
 
     def observe(self, batch: int, gamma: int, seconds: float) -> None:
         """A batch of ``batch`` jobs, the longest with ``gamma`` tokens, took ``seconds``."""
@@ -200,50 +213,44 @@ class ServiceModel:
             self._sizes = sorted(self.fits)
         fit.observe(gamma - 1, seconds)
         self._memo.clear()
-        self._line = None
+        self._line = self._curve = None
 
     def step_line(self) -> tuple[float, float] | None:
         """(b0, b1): one more draft step costs b0 + b1 B, by least squares over the variation
         of g within each batch size; b1 >= 0 (a step never gets cheaper with more rows) and
         b0 + b1 >= 0. None while g varied by less than 1 (in x squared) altogether."""
         if self._line is None:
-            self._line = _step_line([(b, *fit.spread()) for b, fit in self.fits.items()],
-                                    1.0)  # fmt: skip
+            self._line = _step_line([(b, *fit.spread()) for b, fit in self.fits.items()], 1.0)
         return None if self._line[0] < 0 else self._line
 
     def _ab(self, batch: int) -> tuple[float, float]:
         fit, line = self.fits[batch], self.step_line()
-        prior = (fit.sy / (fit.w + fit.sx) if line is None  # proportional: S = (1 + x) a
-                 else line[0] + line[1] * batch)  # fmt: skip
+        prior = (
+            fit.sy / (fit.w + fit.sx)
+            if line is None  # proportional: S = (1 + x) a
+            else line[0] + line[1] * batch
+        )
         var, cov = fit.spread()
         slope = max((cov + self.ridge * prior) / (var + self.ridge), 0.0)
         return max((fit.sy - slope * fit.sx) / fit.w, 0.0), slope
 
     def costs(self, batch: int, max_gamma: int) -> list[float] | None:
         """[S(B, g) for g = 0..max_gamma] (index 0 is 0: no drafting), None before any data."""
-        sizes = self._sizes
-        if not sizes:
+        if not self._sizes:
             return None
         memo = self._memo.get((batch, max_gamma))
         if memo is None:
-            memo = self._memo[(batch, max_gamma)] = self._costs(batch, max_gamma)
+            memo = self._memo[(batch, max_gamma)] = self.curve().costs(batch, max_gamma)
         return memo
 
-    def _costs(self, batch: int, max_gamma: int) -> list[float]:
-        sizes = self._sizes
-        if batch in self.fits or len(sizes) == 1 or batch <= sizes[0]:
-            a, b = self._ab(batch if batch in self.fits else sizes[0])
-        else:
-            lo = max((s for s in sizes if s < batch), default=sizes[0])
-            hi = min((s for s in sizes if s > batch), default=None)
-            if hi is None:  # above the largest: the last two sizes' line, floored
-                lo, hi = sizes[-2], sizes[-1]
-            (a0, b0), (a1, b1) = self._ab(lo), self._ab(hi)
-            t = (batch - lo) / (hi - lo)
-            a, b = a0 + (a1 - a0) * t, b0 + (b1 - b0) * t
-            if batch > sizes[-1]:
-                a, b = max(a, a1), max(b, b1)
-        return [0.0] + [a + (g - 1) * b for g in range(1, max_gamma + 1)]
+    def curve(self) -> ServiceCurve:
+        """The fitted a(B), b(B) at every size drafted so far (needs one observed batch)."""
+        if self._curve is None:
+            ab = [self._ab(b) for b in self._sizes]
+            self._curve = ServiceCurve(
+                tuple(self._sizes), tuple(a for a, _ in ab), tuple(b for _, b in ab)
+            )
+        return self._curve
 
 
 def _step_line(spreads: Sequence[tuple[int, float, float]], least: float) -> tuple[float, float]:

@@ -78,8 +78,13 @@ class _Denials:
         held = self._throttle.allow(reason)
         if held is not None:
             more = f" (+{held} more refused)" if held else ""
-            log.warning("refused %s from %s: %s%s", reason, printable(peer, 64),
-                        printable(detail, 200), more)  # fmt: skip
+            log.warning(
+                "refused %s from %s: %s%s",
+                reason,
+                printable(peer, 64),
+                printable(detail, 200),
+                more,
+            )
 
 
 class Authenticator:
@@ -115,9 +120,14 @@ class Authenticator:
     whatever its mechanism or handshake stage.
     """
 
-    def __init__(self, ctx: zmq.Context[Any], allow: AllowList | None, domain: str = ZAP_DOMAIN,
-                 limits: ConnectionLimits = DEFAULT_LIMITS,
-                 reply_delay_s: float = ZAP_REPLY_DELAY_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        allow: AllowList | None,
+        domain: str = ZAP_DOMAIN,
+        limits: ConnectionLimits = DEFAULT_LIMITS,
+        reply_delay_s: float = ZAP_REPLY_DELAY_S,
+    ) -> None:
         self.allow = allow
         self.domain = domain
         self.limits = limits
@@ -150,14 +160,19 @@ class Authenticator:
             control.close()
             raise
         self._control = control
-        self._thread = threading.Thread(target=self._run, args=(zap, worker_end),
-                                        name="starsd-zap", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._run, args=(zap, worker_end), name="starsd-zap", daemon=True
+        )
         self._thread.start()
         self._started.wait(10)
         _RUNNING[self._ctx.underlying] = self
         if self.allow is not None:
-            log.info("CURVE authenticator running (ZAP domain %r, %d allowed keys in %s)",
-                     self.domain, len(self.allow), self.allow.directory)  # fmt: skip
+            log.info(
+                "CURVE authenticator running (ZAP domain %r, %d allowed keys in %s)",
+                self.domain,
+                len(self.allow),
+                self.allow.directory,
+            )
 
     def watch(self, sock: zmq.Socket[Any]) -> None:
         """Count ``sock``'s connections and hold them to the limits. Call before ``bind``, on
@@ -211,8 +226,9 @@ class Authenticator:
         finally:
             loop.close()
 
-    def decide(self, mechanism: bytes, credentials: list[bytes], domain: str, address: str
-               ) -> tuple[bool, bytes]:  # fmt: skip
+    def decide(
+        self, mechanism: bytes, credentials: list[bytes], domain: str, address: str
+    ) -> tuple[bool, bytes]:
         """(approved, user id) for one ZAP request; never raises."""
         try:
             if domain != self.domain:
@@ -230,8 +246,11 @@ class Authenticator:
             key = z85.encode(credentials[0])
             if self.allow.is_allowed(key):
                 return True, key
-            self._denied("CURVE handshake", f"key {key.decode()} not in allow dir "
-                         f"{self.allow.directory}", address)  # fmt: skip
+            self._denied(
+                "CURVE handshake",
+                f"key {key.decode()} not in allow dir {self.allow.directory}",
+                address,
+            )
         except Exception:  # an exception would end the thread and stall all handshakes
             log.exception("ZAP check failed; refusing")
         return False, b""
@@ -242,8 +261,9 @@ class _GateLoop:
 
     RECONCILE_S = 1.0
 
-    def __init__(self, owner: Authenticator, zap: zmq.Socket[Any],
-                 control: zmq.Socket[Any]) -> None:  # fmt: skip
+    def __init__(
+        self, owner: Authenticator, zap: zmq.Socket[Any], control: zmq.Socket[Any]
+    ) -> None:
         self.owner = owner
         self.zap = zap
         self.control = control
@@ -297,8 +317,9 @@ class _GateLoop:
         # [envelope, b"", version, request id, domain, address, identity, mechanism, creds...]
         if len(frames) < 8 or frames[1] != b"" or frames[2] != b"1.0":
             if len(frames) >= 4:
-                self.zap.send_multipart([frames[0], b"", b"1.0", frames[3], b"400",
-                                         b"malformed ZAP request", b"", b""])  # fmt: skip
+                self.zap.send_multipart(
+                    [frames[0], b"", b"1.0", frames[3], b"400", b"malformed ZAP request", b"", b""]
+                )
             return
         envelope, request_id = frames[0], frames[3]
         domain = frames[4].decode("utf-8", "replace")
@@ -307,8 +328,9 @@ class _GateLoop:
         owner = self.owner
         if not ok:
             owner.stats.denied += 1
-            self.zap.send_multipart([envelope, b"", b"1.0", request_id, b"400", b"refused",
-                                     b"", b""])  # fmt: skip
+            self.zap.send_multipart(
+                [envelope, b"", b"1.0", request_id, b"400", b"refused", b"", b""]
+            )
             return
         owner.stats.approved += 1
         metadata = _property(b"Identity", new_routing_id())
@@ -359,8 +381,12 @@ class _GateLoop:
             self.owner.stats.refused_connections += 1
             held = self.refusals.allow("connection")
             if held is not None:
-                log.warning("refused a connection from %s: %s%s", printable(address, 64), over,
-                            f" (+{held} more refused)" if held else "")  # fmt: skip
+                log.warning(
+                    "refused a connection from %s: %s%s",
+                    printable(address, 64),
+                    over,
+                    f" (+{held} more refused)" if held else "",
+                )
             return
         self.conns[fd] = (address, peer[1], port)
         self.per_address[address] = self.per_address.get(address, 0) + 1
@@ -425,8 +451,7 @@ def _peer_of(fd: int, local_port: int) -> tuple[str, int] | None:
     except OSError:
         return None
     try:
-        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
-                                                                  socket.AF_INET6):
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
             return None
         if sock.getsockname()[1] != local_port:
             return None
@@ -464,9 +489,12 @@ def running_on(ctx: zmq.Context[Any]) -> Authenticator | None:
 
 
 def start_authenticator(
-    ctx: zmq.Context[Any], allow: AllowList | None, *, domain: str = ZAP_DOMAIN,
+    ctx: zmq.Context[Any],
+    allow: AllowList | None,
+    *,
+    domain: str = ZAP_DOMAIN,
     limits: ConnectionLimits = DEFAULT_LIMITS,
-) -> Authenticator:  # fmt: skip
+) -> Authenticator:
     """Install the hub's ZAP handler on ``ctx``: CURVE with the keys in ``allow``, or plain
     text (NULL) when ``allow`` is None.
 

@@ -1,8 +1,9 @@
 """Load-aware draft length (``--gamma auto``): what each session's next proposal should hold.
 
 Pure: no torch, no threads, no clock of its own (every time is passed in), so each rule is
-unit-tested directly (tests/test_policy.py). The hub's glue is :mod:`starsd.hub.pacing`; the
-choice itself is :func:`starsd.analytic.best_gamma`, shared with the analytic model.
+unit-tested directly (tests/test_policy.py). The drafting thread applies it through
+:class:`starsd.hub.pacing.Pacer`; the choice itself is :func:`starsd.goodput.best_gamma`, shared
+with the analytic model.
 
 Terms (per session, times in seconds):
 
@@ -16,9 +17,21 @@ Terms (per session, times in seconds):
   W         how long the session's jobs wait in Q_in before their batch starts;
   T_alone   the target's own decoding step: measured from the spans it decodes alone
             (R over the span / its tokens; the link is spread over the span), and before the
-            first span approximated by R(1), the fitted round trip of a one-token proposal
-            (link + a verify of two positions, near the data unlike the intercept R(0); it errs
-            high, so speculation is switched off only when it clearly does not pay).
+            first span approximated by R(0), the link plus a verify of one position (a decode
+            step), once gamma has varied enough to tell R's slope; by R(1) before (the
+            intercept of a fit of one gamma is noise). Both err high (by the link; on a
+            compute-bound target by far more, see the warm-up), so a guess switches
+            speculation off only when it clearly does not pay, and the warm-up's span alone
+            measures it.
+
+Warm-up: the first ``warmup_rounds`` verdicts come from rounds of the start gamma; then, once
+per target (its later sessions inherit the figure), a span of ``explore_tokens`` alone times
+T_alone. It is measured rather than guessed because no round trip tells it: on a compute-bound
+target a verify of 2 positions costs ~1.7x a step and one of 5 ~2.2x, so R(1) of a fit at one
+gamma (R(4), its slope 0) read 150 ms for a 65 ms step, and speculation at acceptance 0.1
+(0.54x the target alone) looked better than decoding alone. (Warm-up rounds alternating the
+start gamma with 1, to fit R's slope, cost 14% against the best fixed gamma at N = 8 emulated
+targets: two noisy points set a slope that the later rounds, at one gamma, kept.)
 
 Rule (:meth:`GammaPolicy.choose`), over g in 0..G:
 
@@ -48,7 +61,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from starsd.analytic import gamma_rates, pick_gamma
+from starsd.goodput import gamma_rates, pick_gamma
 from starsd.hub.estimates import AcceptanceEstimate, LinearFit
 
 
@@ -74,16 +87,21 @@ class PolicyParams:
     # and the hub's common gamma while the best is at most this much better (see choose)
     common_slack: float = 0.10
     alone_tokens: int = 16  # the first span a session decodes alone
+    # the span alone that measures T_alone, once per target after its warm-up (0: never)
+    explore_tokens: int = 4
     max_alone: int = 256  # the longest span (consecutive spans double)
 
     def __post_init__(self) -> None:
         if self.max_gamma < 1 or not 1 <= self.start_gamma <= self.max_gamma:
-            raise ValueError(f"need 1 <= start_gamma <= max_gamma, got {self.start_gamma}, "
-                             f"{self.max_gamma}")  # fmt: skip
+            raise ValueError(
+                f"need 1 <= start_gamma <= max_gamma, got {self.start_gamma}, {self.max_gamma}"
+            )
         if not 0.0 < self.forget < 1.0 or not 0.0 <= self.prior_alpha <= 1.0:
             raise ValueError("forget must be in (0, 1) and prior_alpha in [0, 1]")
         if not 1 <= self.alone_tokens <= self.max_alone:
             raise ValueError("need 1 <= alone_tokens <= max_alone")
+        if self.explore_tokens < 0:
+            raise ValueError("need explore_tokens >= 0")
         if self.shift_z <= 0 or not 0.0 <= self.shift_keep <= 1.0:
             raise ValueError("need shift_z > 0 and shift_keep in [0, 1]")
         if self.hysteresis < 0 or self.common_slack < 0:
@@ -168,26 +186,26 @@ class Pending:
 
 @dataclass
 class SessionPacing:
-    """One session's policy state. Created by the pacing glue on the session's first job and
-    kept on the table's ``Session.pacing``; from then on read and written by the drafting
-    thread only (like the proposer's own state)."""
+    """One session's policy state. Made by :class:`starsd.hub.pacing.Pacer` on the session's
+    first job and kept on its draft state (``ChainState.pacing``): the drafting thread's only,
+    like the rest of that state."""
 
     fixed: int | None  # a gamma the session keeps (OPEN named it, or --gamma N); None: auto
     estimate: AcceptanceEstimate
     round_trip: LinearFit = field(default_factory=lambda: LinearFit(forget=0.9, ridge=0.5))
     alone_step: float | None = None  # measured T_alone (smoothed), None before any span
     wait: float = 0.0  # smoothed W
-    last_gamma: int = -1  # tokens in the proposal in flight (0: a span alone; -1: none yet)
     sent_at: float | None = None  # when it left the drafting thread
     pending: Pending | None = None
     alone_span: int = 16  # tokens of the next span alone
     chosen: int = 0  # the last gamma chosen
     probing: bool = False  # the proposal in flight is the probe after a span alone
-    decision: tuple[int, int, int] | None = None  # (seq, gamma, span) decided, not yet sent
+    explored: bool = False  # it (or its target's earlier session) decoded alone to time it
 
     def step_alone(self, hub: float | None = None) -> float | None:
-        """T_alone: measured, else ``hub`` (the hub's other sessions' lately), else R(1) (see
-        the module docstring), None while unknown."""
+        """T_alone: measured, else ``hub`` (the hub's other sessions' lately), else R(0) once
+        the round trip's slope is told, R(1) before (see the module docstring), None while
+        unknown."""
         if self.alone_step is not None:
             return self.alone_step
         if hub is not None:
@@ -195,7 +213,9 @@ class SessionPacing:
         if not self.round_trip.known:
             return None
         r0, r1 = self.round_trip.coefficients()
-        return r0 + r1 if r0 + r1 > 0 else None
+        # (an intercept clamped to 0, a fit bent by one slow round, is no step: R(1) then)
+        step = r0 if self.round_trip.slope_told() and r0 > 0 else r0 + r1
+        return step if step > 0 else None
 
 
 class OwnerMemory:
@@ -231,8 +251,9 @@ class GammaPolicy:
     def __init__(self, params: PolicyParams = PolicyParams()) -> None:
         self.params = params
 
-    def new_session(self, fixed: int | None, start: int | None = None,
-                    like: SessionPacing | None = None) -> SessionPacing:  # fmt: skip
+    def new_session(
+        self, fixed: int | None, start: int | None = None, like: SessionPacing | None = None
+    ) -> SessionPacing:
         """A session's state; ``fixed`` None for auto (its first rounds draft ``start``).
 
         ``like``: an earlier auto session of the same target (:class:`OwnerMemory`). An auto
@@ -245,14 +266,23 @@ class GammaPolicy:
         """
         p = self.params
         if fixed is None and like is not None:
-            return SessionPacing(fixed=None, alone_span=p.alone_tokens,
-                                 estimate=copy.deepcopy(like.estimate),
-                                 round_trip=copy.copy(like.round_trip), alone_step=like.alone_step,
-                                 wait=like.wait, chosen=like.chosen or p.start_gamma)  # fmt: skip
-        pacing = SessionPacing(fixed=fixed, alone_span=p.alone_tokens,
-                               estimate=AcceptanceEstimate(p.max_gamma, p.prior_alpha,
-                                                           p.prior_weight, p.forget, p.shift_z,
-                                                           p.shift_keep))  # fmt: skip
+            return SessionPacing(
+                fixed=None,
+                alone_span=p.alone_tokens,
+                estimate=copy.deepcopy(like.estimate),
+                round_trip=copy.copy(like.round_trip),
+                alone_step=like.alone_step,
+                wait=like.wait,
+                chosen=like.chosen or p.start_gamma,
+                explored=like.explored,
+            )
+        pacing = SessionPacing(
+            fixed=fixed,
+            alone_span=p.alone_tokens,
+            estimate=AcceptanceEstimate(
+                p.max_gamma, p.prior_alpha, p.prior_weight, p.forget, p.shift_z, p.shift_keep
+            ),
+        )
         pacing.chosen = fixed if fixed is not None else (start or p.start_gamma)
         if fixed == 0:  # --gamma 0: never drafts, so the longest spans cost fewest round trips
             pacing.alone_span = p.max_alone
@@ -272,6 +302,9 @@ class GammaPolicy:
         if load is None or s.estimate.rounds < p.warmup_rounds or not s.round_trip.known:
             s.chosen = s.chosen or p.start_gamma  # warming up (or no costs measured yet)
             return s.chosen
+        if p.explore_tokens and not s.explored and s.alone_step is None and not probe:
+            s.explored, s.alone_span, s.chosen = True, min(p.explore_tokens, p.max_alone), 0
+            return 0  # time T_alone: a guess of it decides whether speculation pays at all
         g = self.choose(s, load, allow_alone=not probe)
         if probe:
             s.probing = True
@@ -282,7 +315,7 @@ class GammaPolicy:
         return g
 
     def choose(self, s: SessionPacing, load: Load, allow_alone: bool = True) -> int:
-        """The rule of the module docstring (:func:`starsd.analytic.best_gamma`, which the
+        """The rule of the module docstring (:func:`starsd.goodput.best_gamma`, which the
         analytic model's auto gamma applies too) on this session's figures, with hysteresis:
         while the best is within ``common_slack`` of the hub's common gamma (``load.common``),
         that is chosen (unless the session decodes alone or would), else while it is within
@@ -298,9 +331,14 @@ class GammaPolicy:
         top = min(self.params.max_gamma, len(load.costs) - 1)
         outside = [s.wait + r0 + r1 * g for g in range(top + 1)]
         expected = s.estimate.expected_tokens()
-        rates = gamma_rates(expected, load.costs, outside,
-                            s.step_alone(load.alone_s) if allow_alone else None, load.batch,
-                            load.loaded)  # fmt: skip
+        rates = gamma_rates(
+            expected,
+            load.costs,
+            outside,
+            s.step_alone(load.alone_s) if allow_alone else None,
+            load.batch,
+            load.loaded,
+        )
         best, p = pick_gamma(rates), self.params
         # (0: no common gamma yet.) It aligns drafting sessions only: neither calls one back
         # from decoding alone nor keeps one from it (sessions flapped between alone and a

@@ -85,9 +85,15 @@ class PredraftStats:
 class Predrafter:
     """Branches for the sessions whose verdicts are out, drafted one forward at a time."""
 
-    def __init__(self, proposer: LlmProposer, branches: int = 4, rows: int = 32,
-                 max_sessions: int = 256, reach: int = 0,
-                 max_in_flight: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        proposer: LlmProposer,
+        branches: int = 4,
+        rows: int = 32,
+        max_sessions: int = 256,
+        reach: int = 0,
+        max_in_flight: int | None = None,
+    ) -> None:
         proposer.record_alternatives = True  # the top-k per position that branches come from
         self.proposer = proposer
         self.branches = branches
@@ -140,6 +146,11 @@ class Predrafter:
         come): else they would count as proposals out for ever."""
         for tag in [tag for tag in self.waiting if not is_open(tag)]:
             del self.waiting[tag]
+
+    def forget(self, tag: bytes) -> None:
+        """Drop the session's branches: its verdict came in a round no branch can answer (a span
+        alone, or the probe after one, whose verdict is not the one they were drafted for)."""
+        self.waiting.pop(tag, None)
 
     def answer(self, job: DraftJob) -> Proposal | None:
         """The proposal for ``job`` from a matching branch, or None (draft it as usual)."""
@@ -262,8 +273,9 @@ class Predrafter:
         del self.to_probe[: self.rows]
         if not batch:
             return
-        logits = self.proposer.next_logits([w.state.cache for w in batch],
-                                           [w.state.proposed[-1] for w in batch])  # [B, V]
+        logits = self.proposer.next_logits(
+            [w.state.cache for w in batch], [w.state.proposed[-1] for w in batch]
+        )  # [B, V]
         top = torch.softmax(logits.float(), dim=-1).topk(self.branches, dim=-1)
         for i, waiting in enumerate(batch):
             bonus = (top.indices[i].tolist(), top.values[i].tolist())
@@ -272,8 +284,9 @@ class Predrafter:
     def _rows(self, waiting: Waiting, bonus: tuple[list[int], list[float]]) -> list[LlmRow]:
         """Rows for the session's most likely verdicts (k, c), most likely first."""
         state = waiting.state
-        ranked = sorted(_verdicts(state.proposed, [*state.alternatives, bonus], state.acceptance),
-                        reverse=True)  # fmt: skip
+        ranked = sorted(
+            _verdicts(state.proposed, [*state.alternatives, bonus], state.acceptance), reverse=True
+        )
         rows = []
         for _, k, token in ranked[: self.branches]:
             row = self._row(waiting, k, token)
@@ -290,8 +303,16 @@ class Predrafter:
         prefix = min(state.cache.length, len(state.tokens) + k)  # as apply_verdict would crop
         generator = torch.Generator().set_state(state.generator.get_state())
         job = DraftJob(waiting.tag, waiting.seq, state, k, (token,))
-        return LlmRow(job, gamma, feed=committed[prefix:], source=state.cache.prefix(prefix),
-                      whole=False, generator=generator, alternatives=[])  # fmt: skip
+        return LlmRow(
+            job,
+            gamma,
+            feed=committed[prefix:],
+            source=state.cache.prefix(prefix),
+            whole=False,
+            generator=generator,
+            alternatives=[],
+            vocab=self.proposer.vocab,
+        )
 
     def _match(self, waiting: Waiting, job: DraftJob) -> LlmRow | None:
         if len(job.appended) != 1:
@@ -319,7 +340,9 @@ class Predrafter:
         state.generator.set_state(rng)
         state.alternatives = (row.alternatives or [])[:gamma]
         state.proposed = row.tokens[:gamma]
-        return make_proposal(job, state.proposed, row.q_rows[:gamma], state.params)
+        return make_proposal(
+            job, state.proposed, row.q_rows[:gamma], state.params, self.proposer.vocab
+        )
 
     def _gamma(self, state: LlmState, committed: int, reach: int = 0) -> int:
         limit = self.proposer.max_positions
@@ -345,7 +368,9 @@ def _branch_proposal(row: LlmRow, gamma: int, state: LlmState) -> Proposal:
     """Branch ``row``'s first ``gamma`` tokens as a pushed PROPOSAL, with the verdict it holds
     for (the same tokens and q rows that answering that verdict from it sends)."""
     k, token = _key(row)
-    proposal = make_proposal(row.job, row.tokens[:gamma], row.q_rows[:gamma], state.params)
+    proposal = make_proposal(
+        row.job, row.tokens[:gamma], row.q_rows[:gamma], state.params, row.vocab
+    )
     return dataclasses.replace(proposal, if_accepted=k, if_appended=token)
 
 
@@ -354,8 +379,9 @@ def _key(row: LlmRow) -> tuple[int, int]:
     return row.job.accepted, row.job.appended[0]
 
 
-def _verdicts(proposed: list[int], alternatives: list[tuple[list[int], list[float]]],
-              alpha: float) -> list[tuple[float, int, int]]:  # fmt: skip
+def _verdicts(
+    proposed: list[int], alternatives: list[tuple[list[int], list[float]]], alpha: float
+) -> list[tuple[float, int, int]]:
     """(estimated probability, k, c) of every verdict the alternatives allow.
 
     The session's acceptance rate ``alpha`` says how far the target goes (the draft's own

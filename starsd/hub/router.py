@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import zmq
 
 from starsd import protocol, transport
 from starsd.hub import auth, gate
+from starsd.limits import HUB_MAX_FRAME_BYTES, HUB_RCVHWM, HUB_SNDHWM
 from starsd.logsafe import Throttle
 
 log = logging.getLogger(__name__)
@@ -125,8 +125,13 @@ class Router:
                 self._deaf_until[peer] = time.monotonic() + DEAF_S
             held = self._quiet.allow((peer, why))
         if held is not None:
-            log.warning("peer %s %s: dropped %s (%d more since the last line)", peer.hex()[:10],
-                        why, _kind(msg), held)  # fmt: skip
+            log.warning(
+                "peer %s %s: dropped %s (%d more since the last line)",
+                peer.hex()[:10],
+                why,
+                _kind(msg),
+                held,
+            )
 
     def send_frames(self, peer: bytes, frames: list[Any]) -> None:
         """Send raw frames without blocking (zmq.Again / EHOSTUNREACH propagate)."""
@@ -204,18 +209,16 @@ def _ignore(batch: list[Received]) -> None:
     del batch
 
 
-HUB_MAX_FRAME_BYTES = protocol.MAX_FRAME_BYTES + protocol.MAX_HEADER_BYTES
-"""The hub's frame limit when nothing sizes it: the decoder's own array limit (and a bit, so
-a frame just over it still gets a TOO_LARGE reply rather than a silent drop)."""
-HUB_RCVHWM = 1000  # complete messages queued per connection (a target: sessions + a few)
-HUB_SNDHWM = 1000  # replies queued per connection (a session has one proposal in flight)
 HUB_HANDSHAKE_MS = gate.HANDSHAKE_MS  # a peer that has not finished its handshake is dropped
 
 
 def bind_router(
-    ctx: zmq.Context, endpoint: str, curve: auth.CurveServerConfig | None = None,
-    max_frame_bytes: int = HUB_MAX_FRAME_BYTES, limits: gate.ConnectionLimits = gate.DEFAULT_LIMITS,
-) -> Router:  # fmt: skip
+    ctx: zmq.Context,
+    endpoint: str,
+    curve: auth.CurveServerConfig | None = None,
+    max_frame_bytes: int = HUB_MAX_FRAME_BYTES,
+    limits: gate.ConnectionLimits = gate.DEFAULT_LIMITS,
+) -> Router:
     """The hub's ROUTER socket, bound to ``endpoint`` (CURVE server when ``curve`` is given;
     the context must then run :func:`gate.start_authenticator` first, whose ``limits`` apply;
     in plain text this starts one with ``limits``, stopped by :meth:`Router.close`).
@@ -232,11 +235,11 @@ def bind_router(
         gatekeeper = gate.running_on(ctx)
         seed_routing_ids()
         sock: zmq.Socket = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # sync: Router
-        # No ZMTP heartbeats of the hub's own: libzmq 4.3.5 aborts the process (assert
-        # !_io_error, stream_engine_base.cpp:310) when a heartbeat timer fires on a connection
-        # whose peer vanished while its input was stopped at the high-water mark, which any
-        # peer can arrange (tests/test_router.py). Targets' DEALERs send heartbeats with a TTL,
-        # so the hub still closes a dead or hung target's connection; the lease frees its state.
+        # No ZMTP heartbeats: libzmq 4.3.5 aborts the process (assert !_io_error,
+        # stream_engine_base.cpp:310) when a heartbeat timer fires on a connection whose peer
+        # vanished while its input was stopped at the high-water mark, which any peer can
+        # arrange (tests/test_router.py); targets send none either. A silent target loses its
+        # state with its lease; a dead one's connection closes with its TCP connection.
         transport.common_options(sock, heartbeat_ms=0)
         hub_options(sock, max_frame_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH/EAGAIN instead of a silent drop
@@ -253,10 +256,16 @@ def bind_router(
         if guard is not None:
             guard.stop()
         raise
-    held = (_limits_text(gatekeeper.limits) if gatekeeper is not None
-            else "any number of connections")  # fmt: skip
-    log.info("hub socket: frames up to %d B, RCVHWM %d, handshake within %d ms, at most %s",
-             max_frame_bytes, HUB_RCVHWM, HUB_HANDSHAKE_MS, held)  # fmt: skip
+    held = (
+        _limits_text(gatekeeper.limits) if gatekeeper is not None else "any number of connections"
+    )
+    log.info(
+        "hub socket: frames up to %d B, RCVHWM %d, handshake within %d ms, at most %s",
+        max_frame_bytes,
+        HUB_RCVHWM,
+        HUB_HANDSHAKE_MS,
+        held,
+    )
     return _GuardedRouter(sock, curve is not None, guard)
 
 
@@ -267,24 +276,6 @@ def hub_options(sock: zmq.Socket, max_frame_bytes: int) -> None:
     sock.setsockopt(zmq.RCVHWM, HUB_RCVHWM)
     sock.setsockopt(zmq.SNDHWM, HUB_SNDHWM)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HUB_HANDSHAKE_MS)
-
-
-def hub_max_frame_bytes(max_positions: int | None, feature_width: int = 0,
-                        feature_dtype: str = "float16", max_gamma: int = 64) -> int:  # fmt: skip
-    """The largest frame a hub can legitimately receive.
-
-    A hub receives HELLO, OPEN, DRAFT, CLOSE, PING, PONG, STATS_REQUEST and ERROR: a header
-    (``protocol.MAX_HEADER_BYTES``), token ids (a prompt or the tokens appended in a round, at
-    most ``max(MAX_APPENDED, max_positions)`` int64) and, on an EAGLE hub, features ([rows,
-    width] of ``feature_dtype``, rows at most that many again plus ``max_gamma``). Never more
-    than the decoder's own limit; with no known context limit, that limit.
-    """
-    if max_positions is None:
-        return HUB_MAX_FRAME_BYTES
-    rows = max(protocol.MAX_APPENDED, max_positions) + max_gamma
-    ids = 8 * rows
-    features = rows * feature_width * np.dtype(feature_dtype).itemsize
-    return min(max(protocol.MAX_HEADER_BYTES, ids, features), HUB_MAX_FRAME_BYTES)
 
 
 def seed_routing_ids() -> None:
@@ -298,8 +289,7 @@ def seed_routing_ids() -> None:
 class _GuardedRouter(Router):
     """A :class:`Router` that stops the plain-text ZAP handler it came with when it closes."""
 
-    def __init__(self, sock: zmq.Socket, curve: bool,
-                 guard: gate.Authenticator | None) -> None:  # fmt: skip
+    def __init__(self, sock: zmq.Socket, curve: bool, guard: gate.Authenticator | None) -> None:
         super().__init__(sock, curve)
         self.guard = guard
 
@@ -312,9 +302,11 @@ class _GuardedRouter(Router):
 
 
 def _limits_text(limits: gate.ConnectionLimits) -> str:
-    return (f"{limits.max_connections} connections ({limits.max_per_address} per address), "
-            f"{limits.max_new} new per {gate.HANDSHAKE_MS} ms ({limits.max_new_per_address} per "
-            "address)")  # fmt: skip
+    return (
+        f"{limits.max_connections} connections ({limits.max_per_address} per address), "
+        f"{limits.max_new} new per {gate.HANDSHAKE_MS} ms ({limits.max_new_per_address} per "
+        "address)"
+    )
 
 
 def _kind(msg: protocol.Message) -> str:

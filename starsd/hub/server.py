@@ -23,18 +23,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypedDict, cast
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import zmq.asyncio
 
-from starsd import protocol
+from starsd import limits, protocol
+from starsd.budget import PeerBudget, Rates
 from starsd.hub import auth, gate, router
-from starsd.hub.budget import PeerBudget, Rates
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.engine import DraftingEngine
-from starsd.hub.pacing import PacedPredrafter, PacedProposer
+from starsd.hub.pacing import Pacer
 from starsd.hub.policy import GammaPolicy, PolicyParams
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import Limits, Peer, Refused, Session, SessionTable
@@ -91,19 +91,23 @@ def limits_of(config: HubConfig, welcome: Welcome, max_positions: int | None) ->
     )
 
 
-def paced(config: HubConfig, proposer: Proposer, table: SessionTable, lock: threading.Lock,
-          q_in: FairQueue[DraftJob]) -> PacedProposer:  # fmt: skip
-    """The proposer the drafting thread calls: ``proposer`` behind the per-round gamma policy
-    (which leaves sessions with a fixed gamma, and every session under --gamma N, as they are)."""
+def pacer_for(config: HubConfig, proposer: Proposer) -> Pacer:
+    """The drafting thread's ``--gamma auto`` (which leaves sessions with a fixed gamma, and
+    every session under --gamma N, as they are)."""
     params = PolicyParams(max_gamma=config.max_gamma, start_gamma=max(config.default_gamma, 1))
-    return PacedProposer(proposer, table, lock, GammaPolicy(params), backlog=q_in.backlog)
+    return Pacer(GammaPolicy(params), proposer.max_positions)
 
 
 class Hub:
     """The event loop's side of the hub; see the module docstring."""
 
-    def __init__(self, config: HubConfig, proposer: Proposer, welcome: Welcome,
-                 predrafter: Predrafter | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: HubConfig,
+        proposer: Proposer,
+        welcome: Welcome,
+        predrafter: Predrafter | None = None,
+    ) -> None:
         self.config = config
         self.proposer = proposer
         self.welcome = welcome
@@ -111,16 +115,24 @@ class Hub:
         self.lock = threading.Lock()  # guards table and stats: event loop vs drafting thread
         self.table = SessionTable(limits_of(config, welcome, proposer.max_positions))
         self.stats = HubStats()
-        self.budget = PeerBudget(Rates(config.peer_budget, config.peer_budget,
-                                       enabled=config.peer_budget > 0))  # fmt: skip
+        self.budget = PeerBudget(
+            Rates(config.peer_budget, config.peer_budget, enabled=config.peer_budget > 0)
+        )
         self.quiet = Throttle()  # log lines a peer can trigger at will: one per 10 s per kind
         self.q_in: FairQueue[DraftJob] = FairQueue()
-        self.pacing = paced(config, proposer, self.table, self.lock, self.q_in)
-        if predrafter is not None:  # (a stand-in with the pre-drafter's interface)
-            predrafter = cast("Predrafter", PacedPredrafter(predrafter, self.pacing))
-        self.engine = DraftingEngine(self.pacing, self.q_in, self.table, self.lock, self.send,
-                                     self.stats, config.max_batch, predrafter,
-                                     config.gather)  # fmt: skip
+        self.pacer = pacer_for(config, proposer)
+        self.engine = DraftingEngine(
+            proposer,
+            self.pacer,
+            self.q_in,
+            self.table,
+            self.lock,
+            self.send,
+            self.stats,
+            config.max_batch,
+            predrafter,
+            config.gather,
+        )
         self.router: router.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
         self.allow: auth.AllowList | None = None
@@ -136,11 +148,15 @@ class Hub:
     async def serve(self, ctx: zmq.asyncio.Context) -> None:
         """Bind, run until ``stop()``, drain, then shut down cleanly and log the summary."""
         authenticator = self._start_security(ctx)
-        frame_limit = router.hub_max_frame_bytes(self.proposer.max_positions,
-                                                 self.welcome.feature_width,
-                                                 self.welcome.feature_dtype, self.config.max_gamma)
-        self.router = sock = router.bind_router(ctx, self.config.bind, self.config.curve,
-                                                max_frame_bytes=frame_limit)  # fmt: skip
+        frame_limit = limits.hub_max_frame_bytes(
+            self.proposer.max_positions,
+            self.welcome.feature_width,
+            self.welcome.feature_dtype,
+            self.config.max_gamma,
+        )
+        self.router = sock = router.bind_router(
+            ctx, self.config.bind, self.config.curve, max_frame_bytes=frame_limit
+        )
         self.endpoint = sock.endpoint
         self.engine.start()
         self._log_start()
@@ -167,28 +183,42 @@ class Hub:
     def _start_security(self, ctx: zmq.asyncio.Context) -> gate.CurveAuthenticator | None:
         curve = self.config.curve
         if curve is None:
-            auth.check_plaintext_endpoint(self.config.bind,
-                                              allow_insecure=self.config.insecure)  # fmt: skip
+            auth.check_plaintext_endpoint(self.config.bind, allow_insecure=self.config.insecure)
             return None
         self.allow = auth.AllowList(curve.allow_dir)
         return gate.start_authenticator(ctx, self.allow)
 
     def _log_start(self) -> None:
-        mode = (f"CURVE, {len(self.allow)} allowed target keys" if self.allow is not None
-                else "plain text, NOT encrypted or authenticated")  # fmt: skip
-        gamma = (f"auto from {self.config.default_gamma}" if self.config.auto_gamma
-                 else str(self.config.gamma))  # fmt: skip
-        log.info("hub listening on %s (%s; draft %s, gamma %s of max %d, epoch %s)",
-                 self.endpoint, mode, self.welcome.model, gamma, self.config.max_gamma,
-                 self.epoch.hex())  # fmt: skip
+        mode = (
+            f"CURVE, {len(self.allow)} allowed target keys"
+            if self.allow is not None
+            else "plain text, NOT encrypted or authenticated"
+        )
+        gamma = (
+            f"auto from {self.config.default_gamma}"
+            if self.config.auto_gamma
+            else str(self.config.gamma)
+        )
+        log.info(
+            "hub listening on %s (%s; draft %s, gamma %s of max %d, epoch %s)",
+            self.endpoint,
+            mode,
+            self.welcome.model,
+            gamma,
+            self.config.max_gamma,
+            self.epoch.hex(),
+        )
 
     async def _drain(self) -> None:
         """Admit nothing new, deliver what is in flight, then tell every target we are going."""
         with self.lock:
             self.table.draining = True
-            log.info("draining: %d rounds in flight, %d sessions, timeout %.1f s",
-                     self.table.in_flight(), len(self.table.sessions),
-                     self.config.drain_timeout_s)  # fmt: skip
+            log.info(
+                "draining: %d rounds in flight, %d sessions, timeout %.1f s",
+                self.table.in_flight(),
+                len(self.table.sessions),
+                self.config.drain_timeout_s,
+            )
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self._in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -230,8 +260,12 @@ class Hub:
         self.stats.over_budget += 1
         held = self.quiet.allow(("budget", routing_id))
         if held is not None:
-            log.warning("peer %s is over its message budget: dropping its excess (%d more "
-                        "since the last line)", routing_id.hex()[:10], held)  # fmt: skip
+            log.warning(
+                "peer %s is over its message budget: dropping its excess (%d more "
+                "since the last line)",
+                routing_id.hex()[:10],
+                held,
+            )
         return False
 
     async def _stats_loop(self) -> None:
@@ -258,8 +292,12 @@ class Hub:
             for peer in dead:
                 freed = self._forget(peer)
                 self.stats.sessions_expired += freed
-                log.info("target %s silent for %.1f s: lease expired, freed %d sessions",
-                         peer.stats.name, self.table.clock() - peer.last_seen, freed)  # fmt: skip
+                log.info(
+                    "target %s silent for %.1f s: lease expired, freed %d sessions",
+                    peer.stats.name,
+                    self.table.clock() - peer.last_seen,
+                    freed,
+                )
         return len(dead)
 
     # ------------------------------------------------------------------ replies (either thread)
@@ -282,9 +320,14 @@ class Hub:
     def _log_error(self, direction: str, routing_id: bytes, msg: Error) -> None:
         held = self.quiet.allow((direction, routing_id, msg.code))
         if held is not None:  # a peer decides how often this happens: throttled, escaped
-            log.info("%s %s ERROR %s: %s%s", direction, routing_id.hex()[:10],
-                     printable(msg.code, 24), printable(msg.message),
-                     f" ({held} more like it since the last line)" if held else "")  # fmt: skip
+            log.info(
+                "%s %s ERROR %s: %s%s",
+                direction,
+                routing_id.hex()[:10],
+                printable(msg.code, 24),
+                printable(msg.message),
+                f" ({held} more like it since the last line)" if held else "",
+            )
 
     # ------------------------------------------------------------------ dispatch (lock held)
 
@@ -315,8 +358,11 @@ class Hub:
             peer.stats.errors += 1
         if not isinstance(exc, Refused):
             return Error(exc.code, exc.message)
-        if (exc.code == ErrorCode.FORBIDDEN and peer is not None
-                and self.quiet.allow(("forbidden", peer.routing_id)) is not None):  # fmt: skip
+        if (
+            exc.code == ErrorCode.FORBIDDEN
+            and peer is not None
+            and self.quiet.allow(("forbidden", peer.routing_id)) is not None
+        ):
             log.warning("target %s named a session it does not own", peer.stats.name)
         return Error(exc.code, exc.message, ref=exc.ref, tag=exc.tag, seq=exc.seq)
 
@@ -326,8 +372,11 @@ class Hub:
         self.stats.unauthenticated += 1
         peer = self.table.peers.get(routing_id)
         if peer is not None:  # revoked while connected: its state goes at once
-            log.warning("target %s: key no longer allowed, freed %d sessions", peer.stats.name,
-                        self._forget(peer))  # fmt: skip
+            log.warning(
+                "target %s: key no longer allowed, freed %d sessions",
+                peer.stats.name,
+                self._forget(peer),
+            )
         raise ProtocolError(ErrorCode.UNAUTHENTICATED, "this key is not allowed on this hub")
 
     def _dispatch(
@@ -356,10 +405,12 @@ class Hub:
                 self._enqueue(session, 0, 0, (), msg.features)
                 return [Opened(ref=msg.ref, tag=session.tag)]
             case Draft():
-                session = self.table.draft(peer, msg)
+                session, proposed = self.table.draft(peer, msg)
                 self.budget.refund(peer.routing_id)  # accepted work is bounded already
                 appended = tuple(msg.appended.tolist())
-                self._enqueue(session, msg.seq, msg.accepted, appended, msg.features, msg.taken)
+                self._enqueue(
+                    session, msg.seq, msg.accepted, appended, msg.features, msg.taken, proposed
+                )
                 return []
             case Close(tag=tag):
                 self._unqueue([self.table.close(peer, tag)])
@@ -374,8 +425,12 @@ class Hub:
             )
         differences = protocol.compatibility_problems(self.welcome, msg)
         if differences:
-            log.warning("refused target %s (%s): %s", routing_id.hex(), printable(msg.model),
-                        printable(differences, 400))  # fmt: skip
+            log.warning(
+                "refused target %s (%s): %s",
+                routing_id.hex(),
+                printable(msg.model),
+                printable(differences, 400),
+            )
             return Error(ErrorCode.INCOMPATIBLE, f"target refused: {differences}")
         key = user_id.encode() if user_id is not None else routing_id
         name = self._peer_name(routing_id, user_id, msg.model)
@@ -386,8 +441,11 @@ class Hub:
     def load(self) -> LoadReport:
         """The load reported in WELCOME and PONG (lock held): open sessions, jobs in Q_in and
         the drafting thread's recent busy fraction; targets place new sessions by it."""
-        return {"sessions": len(self.table.sessions), "queue": len(self.q_in),
-                "busy": round(self.stats.busy_recent(), 3)}  # fmt: skip
+        return {
+            "sessions": len(self.table.sessions),
+            "queue": len(self.q_in),
+            "busy": round(self.stats.busy_recent(), 3),
+        }
 
     def _peer_name(self, routing_id: bytes, user_id: str | None, model: str) -> str:
         key_name = self.allow.name_of(user_id) if self.allow is not None else None
@@ -404,10 +462,29 @@ class Hub:
         for session in sessions:
             self.q_in.remove(session.owner, _job_of(session.tag))
 
-    def _enqueue(self, session: Session, seq: int, accepted: int, appended: tuple[int, ...],
-                 features: np.ndarray | None, taken: int = 0) -> None:  # fmt: skip
-        job = DraftJob(session.tag, seq, session.state, accepted, appended, features=features,
-                       taken=taken, push=session.push)  # fmt: skip
+    def _enqueue(
+        self,
+        session: Session,
+        seq: int,
+        accepted: int,
+        appended: tuple[int, ...],
+        features: np.ndarray | None,
+        taken: int = 0,
+        proposed: int = 0,
+    ) -> None:
+        job = DraftJob(
+            session.tag,
+            seq,
+            session.state,
+            accepted,
+            appended,
+            features=features,
+            taken=taken,
+            push=session.push,
+            proposed=proposed,
+            owner=session.owner,
+            auto=not session.gamma_fixed,
+        )
         self.q_in.put(session.owner, job)
 
     # ------------------------------------------------------------------ reporting
@@ -433,8 +510,11 @@ class Hub:
     def _log_stats(self) -> None:
         with self.lock:
             dropped = self.router.dropped if self.router is not None else 0
-            log.info("%s replies_dropped=%d", self.stats.line(len(self.table.sessions),
-                                                              len(self.table.peers)), dropped)
+            log.info(
+                "%s replies_dropped=%d",
+                self.stats.line(len(self.table.sessions), len(self.table.peers)),
+                dropped,
+            )
             for peer in self.table.peers.values():
                 if peer.stats.jobs:
                     log.info(peer.stats.line())

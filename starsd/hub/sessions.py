@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from starsd import protocol
+from starsd.limits import MAX_APPENDED, MAX_PUSH
 from starsd.protocol import Draft, ErrorCode, Open, ProtocolError, SamplingParams
 from starsd.stats import TargetStats
 
@@ -29,8 +30,15 @@ NewState = Callable[[list[int], SamplingParams, int], Any]  # a proposer's new_s
 class Refused(ProtocolError):
     """A request the rules refuse; carries what the ERROR reply echoes (ref, or tag and seq)."""
 
-    def __init__(self, code: str, message: str, *, ref: int | None = None,
-                 tag: bytes | None = None, seq: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        ref: int | None = None,
+        tag: bytes | None = None,
+        seq: int | None = None,
+    ) -> None:
         super().__init__(code, message)
         self.ref, self.tag, self.seq = ref, tag, seq
 
@@ -76,9 +84,6 @@ class Session:
     last_gamma: int = 0  # tokens in the proposal the next verdict refers to
     gamma_fixed: bool = True  # False: --gamma auto chooses each round's gamma
     push: int = 0  # pushed branches per round its target takes (Open.push; 0: none)
-    # --gamma auto's per-session state (starsd.hub.policy.SessionPacing): set on the session's
-    # first job by the drafting thread under the lock, then the drafting thread's (as ``state``)
-    pacing: Any = None
 
 
 class SessionTable:
@@ -138,21 +143,29 @@ class SessionTable:
             raise Refused(*problem, ref=msg.ref)
         tag = secrets.token_bytes(protocol.TAG_BYTES)
         state = new_state(msg.prompt.tolist(), msg.sampling, gamma)
-        session = Session(tag=tag, owner=peer.key, routing_id=peer.routing_id, state=state,
-                          length=msg.prompt.size, push=msg.push,
-                          gamma_fixed=msg.gamma != 0 or not self.limits.auto_gamma)  # fmt: skip
+        session = Session(
+            tag=tag,
+            owner=peer.key,
+            routing_id=peer.routing_id,
+            state=state,
+            length=msg.prompt.size,
+            push=msg.push,
+            gamma_fixed=msg.gamma != 0 or not self.limits.auto_gamma,
+        )
         self.sessions[tag] = session
         self.owned_by[peer.key] = self.owned_by.get(peer.key, 0) + 1
         peer.tags.add(tag)
         peer.stats.sessions += 1
         return session
 
-    def draft(self, peer: Peer, msg: Draft) -> Session:
-        """Accept a verdict (the next draft request) for one of ``peer``'s sessions."""
+    def draft(self, peer: Peer, msg: Draft) -> tuple[Session, int]:
+        """Accept a verdict (the next draft request) for one of ``peer``'s sessions; returns
+        the session and the tokens of the proposal the verdict answers."""
         session = self.owned(peer, msg.tag, msg.seq)
         problem = self._draft_problem(session, msg)
         if problem is not None:
             raise Refused(*problem, tag=msg.tag, seq=msg.seq)
+        answered = session.last_gamma
         peer.stats.record_verdict(session.last_gamma, msg.accepted)
         session.length += msg.accepted + msg.appended.size
         if session.routing_id != peer.routing_id:  # the owner reconnected (same CURVE key)
@@ -163,7 +176,7 @@ class SessionTable:
             session.next_seq, session.last_gamma = msg.seq + 1, msg.taken
         else:
             session.in_flight = True
-        return session
+        return session, answered
 
     def close(self, peer: Peer, tag: bytes) -> Session:
         """End one of ``peer``'s sessions; returns it."""
@@ -177,8 +190,9 @@ class SessionTable:
         if session is None:
             raise Refused(ErrorCode.UNKNOWN_SESSION, "no such session", tag=tag, seq=seq)
         if session.owner != peer.key:
-            raise Refused(ErrorCode.FORBIDDEN, "session belongs to another target",
-                          tag=tag, seq=seq)  # fmt: skip
+            raise Refused(
+                ErrorCode.FORBIDDEN, "session belongs to another target", tag=tag, seq=seq
+            )
         return session
 
     def drop(self, session: Session) -> None:
@@ -224,14 +238,16 @@ class SessionTable:
         held = self.owned_by.get(peer.key, 0)
         if held >= limits.max_sessions_per_target:
             return ErrorCode.RESOURCE_EXHAUSTED, (
-                f"this target has {held} sessions (--max-sessions-per-target)")
+                f"this target has {held} sessions (--max-sessions-per-target)"
+            )
         if held >= self._share_when_scarce():
             return ErrorCode.RESOURCE_EXHAUSTED, (
-                f"hub nearly full; this target already holds its share ({held} sessions)")
+                f"hub nearly full; this target already holds its share ({held} sessions)"
+            )
         if gamma != 0 and not 1 <= gamma <= limits.max_gamma:  # (0: the hub's choice)
             return ErrorCode.INVALID_ARGUMENT, f"gamma {gamma} outside 1..{limits.max_gamma}"
-        if not 0 <= msg.push <= protocol.MAX_PUSH:
-            return ErrorCode.INVALID_ARGUMENT, f"push {msg.push} outside 0..{protocol.MAX_PUSH}"
+        if not 0 <= msg.push <= MAX_PUSH:
+            return ErrorCode.INVALID_ARGUMENT, f"push {msg.push} outside 0..{MAX_PUSH}"
         problem = self._token_problem(msg.prompt, allow_empty=False)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, f"prompt: {problem}"
@@ -263,7 +279,8 @@ class SessionTable:
             return ErrorCode.OUT_OF_ORDER, f"expected seq {session.next_seq}, got {msg.seq}"
         if not 0 <= msg.accepted <= session.last_gamma:
             return ErrorCode.INVALID_ARGUMENT, (
-                f"accepted {msg.accepted} outside 0..{session.last_gamma}")
+                f"accepted {msg.accepted} outside 0..{session.last_gamma}"
+            )
         problem = self._token_problem(msg.appended, allow_empty=True)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, f"appended: {problem}"
@@ -277,7 +294,7 @@ class SessionTable:
     def _token_problem(self, ids: np.ndarray, allow_empty: bool) -> str | None:
         if ids.size == 0:
             return None if allow_empty else "empty"
-        if ids.size > max(protocol.MAX_APPENDED, self.limits.max_positions or 0):
+        if ids.size > max(MAX_APPENDED, self.limits.max_positions or 0):
             return f"{ids.size} tokens is too many"
         values = ids.tolist()  # min/max of a list: numpy reductions cost more on a few tokens
         if min(values) < 0 or max(values) >= self.limits.vocab_size:
@@ -310,7 +327,8 @@ class SessionTable:
         if features.shape != (rows, width) or features.dtype.name != dtype:
             return ErrorCode.INVALID_ARGUMENT, (
                 f"features must be [{rows}, {width}] {dtype}, got "
-                f"{list(features.shape)} {features.dtype.name}")  # fmt: skip
+                f"{list(features.shape)} {features.dtype.name}"
+            )
         if not np.isfinite(features).all():
             return ErrorCode.INVALID_ARGUMENT, "features contain NaN or infinity"
         return None

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from starsd import sampling
+from starsd.hub.drafters.vocab import DraftVocab
+from starsd.hub.policy import SessionPacing
 from starsd.protocol import Error, ErrorCode, Proposal, SamplingParams
 
 log = logging.getLogger("starsd.hub.drafters")
@@ -40,6 +42,9 @@ class ChainState:
     proposed: list[int] = field(default_factory=list)  # the last proposal's draft tokens
     drafted: int = 0  # draft tokens proposed so far (verdicts received)
     kept: int = 0  # of which the target accepted
+    # --gamma auto's estimates for this session (starsd.hub.policy.SessionPacing), made by the
+    # drafting engine's pacer on the session's first job
+    pacing: SessionPacing | None = None
 
     @property
     def acceptance(self) -> float:
@@ -66,6 +71,9 @@ class DraftJob(Generic[S]):
     # nothing; only a pre-drafter answers such a job (Draft.taken)
     taken: int = 0
     push: int = 0  # pushed branches per round the session's target takes (Open.push)
+    proposed: int = 0  # tokens of the proposal this verdict answers (0: a span alone, or none)
+    owner: bytes = b""  # the session's target (its key): a new auto session learns from its last
+    auto: bool = False  # the hub chooses this session's gamma every round (--gamma auto)
 
 
 class Proposer(Protocol[S]):
@@ -134,6 +142,7 @@ class ChainRow(Generic[S]):
     alternatives: list[tuple[list[int], list[float]]] | None = None
     # a sampled branch's generator state after each draw (a shorter hit resumes from one)
     rng_states: list[torch.Tensor] = field(default_factory=list)
+    vocab: DraftVocab | None = None  # the draft's reduced vocabulary, if any (its proposer's)
 
     @property
     def state(self) -> S:
@@ -152,22 +161,25 @@ class ChainRow(Generic[S]):
     def proposal(self) -> Proposal:
         """The wire proposal of what the row drew; the session remembers it for the verdict."""
         self.state.proposed = self.tokens
-        return make_proposal(self.job, self.tokens, self.q_rows, self.state.params)
+        return make_proposal(self.job, self.tokens, self.q_rows, self.state.params, self.vocab)
 
 
 R = TypeVar("R", bound=ChainRow)  # a proposer's own row type
 
 
-def draw_step(logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int) -> torch.Tensor:
-    """Draft token ``step`` of every row from ``logits`` [B, V]; returns the tokens [B] to feed.
+def draw_step(
+    logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int, vocab: DraftVocab | None = None
+) -> torch.Tensor:
+    """Draft token ``step`` of every row from ``logits`` [B, V] (or [B, K] over a reduced
+    ``vocab``); returns the tokens [B] to feed (draft ids). Rows record target ids.
 
     Greedy rows take one batched argmax; a sampled row draws with its own session generator, so
     its tokens do not depend on which sessions share the batch. A row whose proposal is complete
     feeds its argmax, computed and then discarded.
     """
     fed = torch.argmax(logits, dim=-1)  # [B]
-    greedy = fed.tolist()  # one conversion for the batch, not one per row
-    _record_alternatives(logits, rows, step)
+    greedy = (fed if vocab is None else vocab.to_target(fed)).tolist()  # one conversion a batch
+    _record_alternatives(logits, rows, step, vocab)
     for i, row in enumerate(rows):
         if step >= row.gamma:
             continue
@@ -177,7 +189,7 @@ def draw_step(logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int) -> t
         token, q = draw(logits[i], row.state.params, row.rng)
         if row.generator is not None:
             row.rng_states.append(row.generator.get_state())
-        row.tokens.append(token)
+        row.tokens.append(token if vocab is None else int(vocab.d2t[token]))
         row.q_rows.append(q)  # type: ignore[arg-type]  # (a sampled draw returns q)
         fed[i] = token
     return fed
@@ -186,16 +198,20 @@ def draw_step(logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int) -> t
 ALTERNATIVES = 4  # top draft tokens recorded per position for pre-drafting's branches
 
 
-def _record_alternatives(logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int) -> None:
-    """The draft's top tokens at this position, for rows that record them (one batched top-k;
-    the plain softmax ranks branches for every session, greedy or not)."""
+def _record_alternatives(
+    logits: torch.Tensor, rows: Sequence[ChainRow[S]], step: int, vocab: DraftVocab | None
+) -> None:
+    """The draft's top tokens (target ids) at this position, for rows that record them (one
+    batched top-k; the plain softmax ranks branches for every session, greedy or not)."""
     wanted = [i for i, row in enumerate(rows) if row.alternatives is not None and step < row.gamma]
     if not wanted:
         return
     top = torch.softmax(logits[wanted].float(), dim=-1).topk(ALTERNATIVES, dim=-1)  # [b, F]
+    ids = top.indices if vocab is None else vocab.to_target(top.indices)
     for j, i in enumerate(wanted):
         rows[i].alternatives.append(  # type: ignore[union-attr]
-            (top.indices[j].tolist(), top.values[j].tolist()))
+            (ids[j].tolist(), top.values[j].tolist())
+        )
 
 
 def propose_batched(
@@ -223,8 +239,9 @@ def propose_batched(
     return [results[i] for i in range(len(jobs))]
 
 
-def _draft_rows(rows: dict[int, R], draft: Callable[[list[R]], None],
-                results: dict[int, Proposal | Error]) -> None:  # fmt: skip
+def _draft_rows(
+    rows: dict[int, R], draft: Callable[[list[R]], None], results: dict[int, Proposal | Error]
+) -> None:
     try:
         draft(list(rows.values()))
     except Exception:
@@ -269,14 +286,24 @@ def draw(
 
 
 def make_proposal(
-    job: DraftJob[S], tokens: list[int], q_rows: list[torch.Tensor], params: SamplingParams
+    job: DraftJob[S],
+    tokens: list[int],
+    q_rows: list[torch.Tensor],
+    params: SamplingParams,
+    vocab: DraftVocab | None = None,
 ) -> Proposal:
-    """The wire proposal: tokens, and q as none (greedy), sparse (top-k/top-p) or dense."""
+    """The wire proposal in target ids: tokens, and q as none (greedy), sparse (top-k / top-p,
+    and a reduced ``vocab``: its own ids are the support) or dense."""
     token_arr = np.asarray(tokens, dtype=np.int32)  # [gamma]
     if params.greedy or not tokens:
         return Proposal(tag=job.tag, seq=job.seq, tokens=token_arr)
-    q = torch.stack(q_rows)  # [gamma, V]
+    q = torch.stack(q_rows)  # [gamma, V] (or [gamma, K] over a reduced vocabulary)
     if params.truncated:
-        support, probs = sampling.sparse_q(q)  # [gamma, K] each
+        support, probs = sampling.sparse_q(q)  # [gamma, k] each
+        if vocab is not None:
+            support = vocab.to_target(support.long()).to(torch.int32)
         return Proposal(job.tag, job.seq, token_arr, probs.numpy(), support.numpy())
+    if vocab is not None:  # q over the draft's K ids, 0 elsewhere: K ids travel, not V probs
+        support = vocab.d2t.to(torch.int32).expand(len(tokens), -1)
+        return Proposal(job.tag, job.seq, token_arr, q.float().numpy(), support.numpy().copy())
     return Proposal(job.tag, job.seq, token_arr, q.numpy().astype(np.float32))

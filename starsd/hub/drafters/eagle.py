@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from starsd import eagle
 from starsd.batch import LayerBuffer, RaggedBatch, SequenceCache
+from starsd.hub.drafters import eagle_head
 from starsd.hub.drafters.base import (
     ChainRow,
     ChainState,
@@ -54,7 +54,7 @@ class EagleProposer:
 
     kind = "eagle"
 
-    def __init__(self, head: eagle.LoadedEagle, max_positions: int | None) -> None:
+    def __init__(self, head: eagle_head.LoadedEagle, max_positions: int | None) -> None:
         self.head = head
         self.max_positions = max_positions
         self.feature_width = head.config.hidden_size
@@ -84,20 +84,26 @@ class EagleProposer:
         return EagleRow(job, gamma, ids=ids, features=feats)
 
     def _draft(self, rows: list[EagleRow]) -> None:
-        batch = RaggedBatch(tuple(r.state.real_pairs for r in rows),
-                            tuple(len(r.ids) for r in rows),
-                            max(r.gamma for r in rows) - 1)  # fmt: skip
-        buffer = batch.gather([r.state.cache for r in rows], self.head.kv_shapes,
-                              self.head.dtype, self.head.device)[0]  # fmt: skip
+        batch = RaggedBatch(
+            tuple(r.state.real_pairs for r in rows),
+            tuple(len(r.ids) for r in rows),
+            max(r.gamma for r in rows) - 1,
+        )
+        buffer = batch.gather(
+            [r.state.cache for r in rows], self.head.kv_shapes, self.head.dtype, self.head.device
+        )[0]
         feature = self._feed(batch, rows, buffer)  # [B, H]
         filled = batch.cached_width + batch.fed_width
         for step in range(batch.steps + 1):
             fed = draw_step(self.head.logits(feature), rows, step)  # [B]
             if step < batch.steps:
-                feature = self.head.forward_batch(fed[:, None], feature[:, None],
-                                                  batch.step_positions(step),
-                                                  batch.mask(filled + step + 1),
-                                                  buffer)[:, 0]  # [B, H]  # fmt: skip
+                feature = self.head.forward_batch(
+                    fed[:, None],
+                    feature[:, None],
+                    batch.step_positions(step),
+                    batch.mask(filled + step + 1),
+                    buffer,
+                )[:, 0]  # [B, H]
         for i, row in enumerate(rows):  # commit only once every row has drawn
             _commit(row, batch.scatter([buffer], i, 0))  # the chained guesses are not kept
 
@@ -105,15 +111,19 @@ class EagleProposer:
         """Feed every row's new real pairs; the head's prediction at each row's last one [B, H]."""
         predicted = [r.state.last_feature for r in rows]
         if batch.fed_width:
-            feats = torch.zeros(batch.rows, batch.fed_width, self.feature_width,
-                                dtype=self.head.dtype)  # [B, F, H]  # fmt: skip
+            feats = torch.zeros(
+                batch.rows, batch.fed_width, self.feature_width, dtype=self.head.dtype
+            )  # [B, F, H]
             for i, row in enumerate(rows):
                 if row.features is not None:
                     feats[i, : len(row.ids)] = row.features
-            out = self.head.forward_batch(batch.input_ids([r.ids for r in rows]), feats,
-                                          batch.feed_positions(),
-                                          batch.mask(batch.cached_width + batch.fed_width),
-                                          buffer)  # [B, F, H]  # fmt: skip
+            out = self.head.forward_batch(
+                batch.input_ids([r.ids for r in rows]),
+                feats,
+                batch.feed_positions(),
+                batch.mask(batch.cached_width + batch.fed_width),
+                buffer,
+            )  # [B, F, H]
             for i, row in enumerate(rows):
                 if row.ids:
                     predicted[i] = out[i, len(row.ids) - 1]

@@ -4,6 +4,11 @@ Each session keeps its own KV cache (a :class:`~starsd.batch.SequenceCache`) nex
 committed tokens; a verdict crops the cache back to what stays valid (the accepted prefix). A
 batch of jobs is drafted together: every session's uncached tokens go through one ragged
 forward, then ``gamma - 1`` batched decode steps, each row drawing with its own generator.
+
+A draft may predict over a reduced vocabulary (:class:`~starsd.hub.drafters.vocab.DraftVocab`,
+``draft_vocab.safetensors`` in its directory): its model then has K + 1 token rows, the K draft
+tokens and one row for every target token outside them (input only: never drafted). Sessions,
+proposals and q stay in target ids; only the model's inputs and logits are in draft ids.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from starsd.hub.drafters.base import (
     new_chain_state,
     propose_batched,
 )
+from starsd.hub.drafters.vocab import DraftVocab
+from starsd.llama import PaddedKeyValues
 from starsd.protocol import Error, Proposal, SamplingParams
 
 
@@ -54,9 +61,9 @@ class LlmProposer:
     kind = "llm"
     feature_width = 0
 
-    def __init__(self, draft: models.LoadedModel) -> None:
+    def __init__(self, draft: models.LoadedModel, vocab: DraftVocab | None = None) -> None:
         self.draft = draft
-        models.use_decode_attention(draft)  # decode steps of many rows attend faster on CPU
+        self.vocab = vocab  # None: the draft predicts over the target's own vocabulary
         self.max_positions = draft.max_positions
         self.kv_shapes = models.kv_shapes(draft)  # (heads, head_dim) per layer
         self.dtype = next(draft.model.parameters()).dtype
@@ -76,8 +83,16 @@ class LlmProposer:
         if gamma < 1:
             return context_full(job)
         alternatives: list[tuple[list[int], list[float]]] | None = (
-            [] if self.record_alternatives else None)  # fmt: skip
-        return LlmRow(job, gamma, feed=feed, source=job.state.cache, alternatives=alternatives)
+            [] if self.record_alternatives else None
+        )
+        return LlmRow(
+            job,
+            gamma,
+            feed=feed,
+            source=job.state.cache,
+            alternatives=alternatives,
+            vocab=self.vocab,
+        )
 
     def _draft(self, rows: list[LlmRow]) -> None:
         for _ in self.draft_steps(rows):
@@ -90,17 +105,22 @@ class LlmProposer:
     def draft_steps(self, rows: list[LlmRow]) -> Iterator[None]:
         """Draft ``rows`` together, pausing after each forward (pre-drafting runs one forward at
         a time between real jobs). Fills each row's tokens and ``cache``; commits nothing."""
-        batch = RaggedBatch(tuple(r.source.length for r in rows), tuple(len(r.feed) for r in rows),
-                            max(r.gamma for r in rows) - 1)  # fmt: skip
-        buffers = batch.gather([r.source for r in rows], self.kv_shapes, self.dtype,
-                               self.draft.device)  # fmt: skip
+        batch = RaggedBatch(
+            tuple(r.source.length for r in rows),
+            tuple(len(r.feed) for r in rows),
+            max(r.gamma for r in rows) - 1,
+        )
+        buffers = batch.gather(
+            [r.source for r in rows], self.kv_shapes, self.dtype, self.draft.device
+        )
         filled = batch.cached_width + batch.fed_width
-        logits, _ = models.forward_batch(self.draft, batch.input_ids([r.feed for r in rows]),
-                                         batch.feed_positions(), batch.mask(filled),
-                                         buffers)  # [B, F, V]  # fmt: skip
-        logits = logits[torch.arange(batch.rows), batch.last_fed()]  # [B, V]
+        ids = self._ids(batch.input_ids([r.feed for r in rows]))  # [B, F]
+        logits, _ = models.forward_batch(
+            self.draft, ids, batch.feed_positions(), PaddedKeyValues(buffers, batch.mask(filled))
+        )
+        logits = self._drafted(logits[torch.arange(batch.rows), batch.last_fed()])  # [B, K]
         for step in range(batch.steps + 1):
-            fed = draw_step(logits, rows, step)  # [B]
+            fed = draw_step(logits, rows, step, self.vocab)  # [B] draft ids
             if step < batch.steps:
                 yield
                 logits = self._step(batch, buffers, fed, step, filled)  # [B, V]
@@ -111,20 +131,40 @@ class LlmProposer:
         """The draft's logits [B, V] after feeding one token on each cache (nothing kept)."""
         batch = RaggedBatch(tuple(c.length for c in caches), (1,) * len(caches), 0)
         buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.draft.device)
-        logits, _ = models.forward_batch(self.draft, batch.input_ids([[t] for t in tokens]),
-                                         batch.feed_positions(),
-                                         batch.mask(batch.capacity), buffers)  # fmt: skip
-        return logits[:, 0]
+        ids = self._ids(batch.input_ids([[t] for t in tokens]))  # [B, 1]
+        logits, _ = models.forward_batch(
+            self.draft,
+            ids,
+            batch.feed_positions(),
+            PaddedKeyValues(buffers, batch.mask(batch.capacity)),
+        )
+        return self._drafted(logits[:, 0])
 
-    def _step(self, batch: RaggedBatch, buffers: list, fed: torch.Tensor, step: int,
-              filled: int) -> torch.Tensor:  # fmt: skip
+    def _step(
+        self, batch: RaggedBatch, buffers: list, fed: torch.Tensor, step: int, filled: int
+    ) -> torch.Tensor:
         """One decode step of every row; logits [B, V]."""
         positions = batch.step_positions(step)  # [B, 1]
         if self.max_positions is not None:  # rows already complete may run past their limit
             positions = positions.clamp(max=self.max_positions - 1)
-        logits, _ = models.forward_batch(self.draft, fed[:, None], positions,
-                                         batch.mask(filled + step + 1), buffers)  # fmt: skip
-        return logits[:, 0]
+        logits, _ = models.forward_batch(
+            self.draft,
+            fed[:, None],
+            positions,
+            PaddedKeyValues(buffers, batch.mask(filled + step + 1)),
+        )
+        return self._drafted(logits[:, 0])
+
+    def _ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """The model's input ids for committed target ids (the unknown row outside the draft's
+        vocabulary)."""
+        if self.vocab is None:
+            return target_ids
+        return self.vocab.to_draft(target_ids, unknown=self.vocab.size)
+
+    def _drafted(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over what may be drafted [B, V or K] (never the unknown row)."""
+        return logits if self.vocab is None else logits[..., : self.vocab.size]
 
 
 def apply_verdict(state: LlmState, accepted: int, appended: tuple[int, ...]) -> list[int]:

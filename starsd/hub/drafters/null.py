@@ -35,8 +35,12 @@ class NullProposer:
     def _draft(self, job: DraftJob[ChainState]) -> Proposal | Error:
         state = job.state
         if not state.params.greedy:
-            return Error(ErrorCode.INVALID_ARGUMENT, "the null drafter is greedy only",
-                         tag=job.tag, seq=job.seq)  # fmt: skip
+            return Error(
+                ErrorCode.INVALID_ARGUMENT,
+                "the null drafter is greedy only",
+                tag=job.tag,
+                seq=job.seq,
+            )
         commit_verdict(state, job.accepted, job.appended)
         state.proposed = [state.tokens[-1]] * state.gamma
         return make_proposal(job, state.proposed, [], state.params)

@@ -1,0 +1,1 @@
+"""Tools around the product: benchmarks, emulation, hostile-peer probes, model training, demo."""

@@ -1,0 +1,1 @@
+"""The benchmark harness and its suites (``python -m scripts.bench.run --suite ...``)."""

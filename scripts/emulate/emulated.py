@@ -1,0 +1,740 @@
+"""Emulated targets: the real protocol to the real hub, with the target forward replaced.
+
+    python -m scripts.emulate.emulated --hub tcp://HOST:5555 --model TARGET_DIR --targets 64 \
+        --alpha 0.7 --verify-ms 5 --duration 5 --out emulated.json
+
+Each emulated target is its own DEALER connection with one sequence in flight. Instead of a
+target forward it waits ``--verify-ms`` (without blocking the loop) and draws the number of
+accepted tokens from an i.i.d. acceptance process with rate ``--alpha`` (seeded), so one process
+can stand in for far more targets than the machine could run as real models. The hub drafts for
+real. ``--gamma 0`` opens every session with gamma 0, the hub's choice (``--gamma auto``): a
+PROPOSAL with no tokens and ``alone`` = K is then honoured as a real target does, by decoding K
+tokens alone (a wait of K standalone steps, ``--alone-step-ms``, random tokens) and sending them
+in one DRAFT with accepted 0. ``--verify-ms-per-token`` makes the verify time grow with the
+proposal (``--verify-ms`` + that per draft token), so that longer drafts cost the target what
+they cost a real one. ``--alpha-switch A --switch-at F`` changes the acceptance rate to A once F
+of the run after the warm-up has passed, and ``--trace-gamma`` (implied by a switch) records
+every session's proposal lengths round by round (``gamma_trace``).
+
+``--hub`` takes a comma list of hubs: each emulated target then keeps one connection per hub
+(an edge.hubs.HubPool, as a real target given ``--hub A,B``) and opens each sequence on
+``pool.pick()``, the hub with the most spare capacity by the load the hubs report; the report then
+adds ``hubs`` (per hub: sessions placed there, its open sessions, busy fraction, jobs and batch
+size over the window) and ``balance``, and its hub-wide figures pool every hub's counters.
+
+The report carries system and per-target throughput, per-token latency, bytes per round,
+each round's wait for its proposal (DRAFT sent to PROPOSAL received: the hub's queue wait and
+service plus the link), and from STATS replies over the measured window the hub's busy fraction,
+mean batch size and, when the hub counts them, its service time per batch size S(B).
+
+After the warm-up, calibration slices alternate with the measured window's slices (so this
+machine's drifting speed hits both alike): the hub's draft service time S(d) and the emulated
+verify time measured in the calibration slices, at the same N but outside the window, are the
+inputs from which the benchmark predicts the window's throughput (scripts/bench/scale.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from edge.client import HubClient, TargetInfo
+from edge.hubs import HubPool, parse_hub_endpoints
+from starsd import protocol, transport
+from starsd.protocol import Proposal, SamplingParams, Stats
+from starsd.stats import latency_summary
+
+PROMPT_TOKENS = 16
+WARMUP_LIMIT_S = 60.0
+CLOSE_FLUSH_S = 0.2
+
+
+@dataclass(frozen=True)
+class EmulationConfig:
+    """What ``python -m scripts.emulate.emulated`` is told."""
+
+    hub: str
+    targets: int = 8
+    alpha: float = 0.7
+    verify_ms: float = 5.0
+    gamma: int = 4
+    duration: float = 5.0
+    warmup: float = 1.0  # at least; and until every target has had its first proposal
+    calibration: float = 1.0
+    slices: int = 4  # window slices, alternating with slices + 1 calibration slices
+    max_new_tokens: int = 128  # then the sequence closes and a new one opens
+    seed: int = 0
+    model: str = ""  # whose tokenizer the targets claim (default: the default target)
+    vocab_size: int = 0  # with ``tokenizer``: claim these instead of reading ``model``
+    tokenizer: str = ""
+    out: str | None = None
+    verify_ms_per_token: float = 0.0  # verify of g draft tokens: verify_ms + this * g
+    alone_step_ms: float = 0.0  # one token decoded alone (a span the hub asks for); 0: verify_ms
+    alpha_switch: float | None = None  # the acceptance rate once switch_at of the run has passed
+    switch_at: float = 0.5  # fraction of the run after the warm-up (window and calibration)
+    trace_gamma: bool = False  # record every session's proposal lengths (gamma_trace)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The hubs of ``hub`` (a comma list)."""
+        return parse_hub_endpoints(self.hub)
+
+    @property
+    def step_alone_s(self) -> float:
+        """Seconds per token a target decodes alone."""
+        return (self.alone_step_ms or self.verify_ms) / 1e3
+
+    def verify_s(self, gamma: int) -> float:
+        """Seconds one verify of ``gamma`` draft tokens takes."""
+        return (self.verify_ms + self.verify_ms_per_token * gamma) / 1e3
+
+    @property
+    def tracing(self) -> bool:
+        return self.trace_gamma or self.alpha_switch is not None
+
+
+@dataclass
+class Phases:
+    """The measurement schedule (perf_counter times); empty until the warm-up is over.
+
+    ``bounds`` cut the run after the warm-up into slices that alternate calibration, window,
+    calibration, ..., calibration, so that this machine's drifting speed hits the inputs and
+    the measurement alike. ``first_proposals`` counts the targets that have had their first
+    proposal, so the warm-up can wait out the burst of OPENs.
+    """
+
+    bounds: list[float] = field(default_factory=list)
+    first_proposals: int = 0
+    switch: float = math.inf  # when the acceptance rate switches (with --alpha-switch)
+
+    @property
+    def finish(self) -> float:
+        """When the targets stop (the end of the last calibration slice)."""
+        return self.bounds[-1] if self.bounds else math.inf
+
+    def kind(self, t: float) -> str | None:
+        """``"window"``, ``"calibration"`` or None (warm-up, or after the end) at time ``t``."""
+        i = bisect.bisect_right(self.bounds, t) - 1
+        if i < 0 or i >= len(self.bounds) - 1:
+            return None
+        return "window" if i % 2 else "calibration"
+
+    def alpha(self, cfg: EmulationConfig, t: float) -> float:
+        """The acceptance rate at time ``t``."""
+        return cfg.alpha_switch if cfg.alpha_switch is not None and t >= self.switch else cfg.alpha
+
+
+def switch_time(bounds: list[float], cfg: EmulationConfig) -> float:
+    """When the acceptance rate switches: ``cfg.switch_at`` of the way through the schedule."""
+    if cfg.alpha_switch is None or not bounds:
+        return math.inf
+    return bounds[0] + cfg.switch_at * (bounds[-1] - bounds[0])
+
+
+def schedule(start: float, cfg: EmulationConfig) -> list[float]:
+    """Bounds of ``cfg.slices`` window slices between ``cfg.slices + 1`` calibration slices."""
+    bounds, t = [start], start
+    for i in range(2 * cfg.slices + 1):
+        t += cfg.duration / cfg.slices if i % 2 else cfg.calibration / (cfg.slices + 1)
+        bounds.append(t)
+    return bounds
+
+
+@dataclass
+class TargetRecord:
+    """What one emulated target measured inside the window (and in the calibration slices)."""
+
+    tokens: int = 0
+    rounds: int = 0  # verified proposals (spans alone not included)
+    accepted: int = 0
+    proposed: int = 0  # draft tokens in those proposals
+    alone_spans: int = 0  # PROPOSALs with alone = K, honoured (in the window)
+    alone_tokens: int = 0
+    gammas: dict[int, int] = field(default_factory=dict)  # proposal length -> rounds (0: alone)
+    errors: int = 0  # sequences the hub ended with an ERROR (e.g. CONTEXT_FULL); reopened
+    traces: list[dict] = field(default_factory=list)  # --trace-gamma: one per session
+    bytes: int = 0
+    round_s: float = 0.0
+    verify_s: float = 0.0
+    token_latency_s: list[float] = field(default_factory=list)
+    proposal_wait_s: list[float] = field(default_factory=list)  # DRAFT sent -> PROPOSAL in
+    had_proposal: bool = False
+    calibration_rounds: int = 0
+    calibration_verify_s: float = 0.0
+    placed: dict[str, int] = field(default_factory=dict)  # hub endpoint -> sessions opened there
+    hubs: dict[str, HubRounds] = field(default_factory=dict)  # hub endpoint -> window rounds
+
+    def per_hub(self, endpoint: str) -> HubRounds:
+        """This target's verified rounds on the hub at ``endpoint`` (in the window)."""
+        return self.hubs.setdefault(endpoint, HubRounds())
+
+
+@dataclass
+class HubRounds:
+    """One target's verified rounds on one hub inside the window (spans alone not counted)."""
+
+    rounds: int = 0
+    tokens: int = 0
+    wait_s: float = 0.0  # request out -> proposal in, summed
+
+    def add(self, tokens: int, wait_s: float) -> None:
+        self.rounds += 1
+        self.tokens += tokens
+        self.wait_s += wait_s
+
+
+def accepted_count(rng: random.Random, alpha: float, gamma: int) -> int:
+    """Accepted drafts of one round when each is accepted with probability alpha, in order."""
+    n = 0
+    while n < gamma and rng.random() < alpha:
+        n += 1
+    return n
+
+
+async def run_target(
+    pool: HubPool,
+    cfg: EmulationConfig,
+    index: int,
+    phases: Phases,
+    record: TargetRecord,
+) -> None:
+    """One emulated target: sequences back to back until the last slice ends, each opened on
+    the hub ``pool.pick()`` places it on (with one hub: that hub)."""
+    rng = random.Random(cfg.seed * 100_003 + index)
+    while time.perf_counter() < phases.finish:
+        client = pool.pick()
+        if client is None:  # a benchmark with a hub down measures nothing worth keeping
+            raise RuntimeError(f"target {index}: no live hub to open a session on")
+        record.placed[client.endpoint] = record.placed.get(client.endpoint, 0) + 1
+        prompt = [rng.randrange(client.info.vocab_size) for _ in range(PROMPT_TOKENS)]
+        tag, inbox = await client.open(prompt, SamplingParams(), cfg.gamma)
+        trace: dict | None = None
+        if cfg.tracing:
+            trace = {
+                "target": index,
+                "opened_s": _since(phases),
+                "gammas": [],
+                "switch_round": None,
+            }
+            record.traces.append(trace)
+        await _one_sequence(client, cfg, rng, tag, inbox, phases, record, trace)
+        await client.close_session(tag)
+
+
+def _since(phases: Phases) -> float | None:
+    """Seconds since the warm-up ended (None during the warm-up)."""
+    return time.perf_counter() - phases.bounds[0] if phases.bounds else None
+
+
+async def _one_sequence(
+    client: HubClient,
+    cfg: EmulationConfig,
+    rng: random.Random,
+    tag: bytes,
+    inbox: asyncio.Queue[protocol.Message],
+    phases: Phases,
+    record: TargetRecord,
+    trace: dict | None = None,
+) -> None:
+    seq, generated, asked = 0, 0, time.perf_counter()
+    while generated < cfg.max_new_tokens and time.perf_counter() < phases.finish:
+        msg = await _next_message(inbox, phases)
+        if msg is None:  # the run ended while the hub was still drafting it: stop waiting
+            return
+        verify_started = time.perf_counter()
+        if isinstance(msg, protocol.Error):  # e.g. CONTEXT_FULL: this sequence ends here
+            record.errors += 1
+            return
+        if not isinstance(msg, Proposal):
+            raise RuntimeError(f"hub: {msg}")
+        if not record.had_proposal:
+            record.had_proposal = True
+            phases.first_proposals += 1
+        if trace is not None:
+            if trace["switch_round"] is None and verify_started >= phases.switch:
+                trace["switch_round"] = len(trace["gammas"])
+            trace["gammas"].append(len(msg.tokens))
+        if not len(msg.tokens) and msg.alone <= 0:  # nothing to verify nor to decode: the hub
+            return  # cannot draft further (its context); a real target would finish alone
+        accepted, appended = await _answer(
+            cfg, rng, client.info.vocab_size, msg, phases, cfg.max_new_tokens - generated
+        )
+        in_window = _account(
+            record,
+            phases,
+            msg,
+            accepted,
+            appended,
+            (asked, verify_started),
+            first=seq == 0,
+            step_s=cfg.step_alone_s,
+        )
+        if len(msg.tokens) and in_window:  # (the same clock reading as the totals: they add up)
+            record.per_hub(client.endpoint).add(accepted + len(appended), verify_started - asked)
+        generated += accepted + len(appended)
+        seq += 1
+        asked = time.perf_counter()
+        await client.draft(tag, seq, accepted, appended)
+
+
+async def _answer(
+    cfg: EmulationConfig, rng: random.Random, vocab: int, msg: Proposal, phases: Phases, left: int
+) -> tuple[int, list[int]]:
+    """Verify the proposal (wait the verify time, draw the accepted count), or decode the span
+    alone (as far as the sequence goes) that it asks for: (accepted, tokens appended). A span
+    stops where the run does (its tokens after the end would never count)."""
+    gamma = len(msg.tokens)
+    if gamma:
+        started = time.perf_counter()
+        await asyncio.sleep(cfg.verify_s(gamma))
+        return accepted_count(rng, phases.alpha(cfg, started), gamma), [rng.randrange(vocab)]
+    span = max(1, min(msg.alone, left))
+    await asyncio.sleep(min(span * cfg.step_alone_s, max(0.0, phases.finish - time.perf_counter())))
+    return 0, [rng.randrange(vocab) for _ in range(span)]
+
+
+def _account(
+    record: TargetRecord,
+    phases: Phases,
+    msg: Proposal,
+    accepted: int,
+    appended: list[int],
+    times: tuple[float, float],
+    first: bool,
+    step_s: float = 0.0,
+) -> bool:
+    """Count the round where it ended: in a window slice, a calibration slice, or neither;
+    True when a verified round was counted in the window.
+    ``times``: when the request went out (the DRAFT or OPEN) and when the proposal came in.
+
+    A span decoded alone (gamma 0, ``step_s`` per token) is counted token by token, each where
+    it was decoded: spans last far longer than a verify (up to 256 steps), and counting a whole
+    span where it ended would credit its tokens to the wrong slices and lose the span in
+    progress when the run ends.
+    """
+    asked, received = times
+    now = time.perf_counter()
+    if not len(msg.tokens):
+        decoded = [received + (i + 1) * step_s for i in range(len(appended))]
+        counted = sum(1 for t in decoded if t <= now and phases.kind(t) == "window")
+        if counted:  # (latency: the span's time spread over all its tokens)
+            _record_round(
+                record, msg, 0, appended[:counted], (now - asked) * counted / len(appended)
+            )
+        return False
+    kind = phases.kind(now)  # by when the round ends; rounds after the end do not count
+    if kind == "window":
+        _record_round(record, msg, accepted, appended, now - asked)
+        record.verify_s += now - received  # the timer overshoots the nominal time
+        if not first:  # after a DRAFT (the first proposal answers the OPEN, prefill included)
+            record.proposal_wait_s.append(received - asked)
+    elif kind == "calibration":
+        record.calibration_rounds += 1
+        record.calibration_verify_s += now - received
+    return kind == "window"
+
+
+async def _next_message(
+    inbox: asyncio.Queue[protocol.Message], phases: Phases
+) -> protocol.Message | None:
+    """The session's next message, or None once the last slice has ended (the caller then
+    closes the session, so the hub drops its queued job instead of drafting it into the next
+    run)."""
+    if math.isinf(phases.finish):  # warm-up: the schedule is not set yet
+        return await inbox.get()
+    try:
+        return await asyncio.wait_for(inbox.get(), max(0.0, phases.finish - time.perf_counter()))
+    except asyncio.TimeoutError:
+        return None
+
+
+def _record_round(
+    record: TargetRecord, msg: Proposal, accepted: int, appended: list[int], round_s: float
+) -> None:
+    """One round in the window: a verify (gamma >= 1), or a span decoded alone (gamma 0)."""
+    gamma = len(msg.tokens)
+    tokens = accepted + len(appended)
+    record.gammas[gamma] = record.gammas.get(gamma, 0) + 1
+    if gamma:
+        record.rounds += 1
+        record.proposed += gamma
+        record.accepted += accepted
+        record.round_s += round_s
+    else:
+        record.alone_spans += 1
+        record.alone_tokens += tokens
+    record.tokens += tokens
+    # + the DRAFT: 60 B of header and framing, 4 B per token appended
+    record.bytes += sum(len(bytes(f)) for f in protocol.encode(msg)) + 60 + 4 * len(appended)
+    record.token_latency_s.extend([round_s / tokens] * tokens)
+
+
+async def emulate(cfg: EmulationConfig) -> dict:
+    """Run the emulation and return its report (also written to ``cfg.out``)."""
+    ctx = transport.new_context()
+    info, endpoints = target_info(cfg), cfg.endpoints
+    pools = [HubPool.create(ctx, endpoints, info) for _ in range(cfg.targets)]
+    try:
+        await asyncio.gather(*(pool.connect() for pool in pools))
+        phases, records = Phases(), [TargetRecord() for _ in pools]
+        tasks = [
+            asyncio.create_task(run_target(pool, cfg, i, phases, records[i]))
+            for i, pool in enumerate(pools)
+        ]
+        await _warm_up(cfg, phases, tasks)
+        phases.switch = switch_time(phases.bounds, cfg)
+        snapshots, cpu = await _poll_stats(phases, _stats_clients(pools[0], endpoints))
+        await asyncio.gather(*tasks)
+        await asyncio.sleep(CLOSE_FLUSH_S)  # the sockets close with linger 0: let CLOSEs out
+    finally:
+        await asyncio.gather(*(pool.aclose() for pool in pools))
+        ctx.term()
+    return full_report(cfg, records, snapshots, cpu)
+
+
+def _stats_clients(pool: HubPool, endpoints: tuple[str, ...]) -> list[HubClient]:
+    """One client per hub, in ``--hub`` order, to ask for STATS (the first target's)."""
+    by_endpoint = {client.endpoint: client for client in pool.clients}
+    return [by_endpoint[endpoint] for endpoint in endpoints]
+
+
+async def _poll_stats(
+    phases: Phases, clients: list[HubClient]
+) -> tuple[list[list[Stats]], list[tuple[float, float]]]:
+    """Every hub's STATS at every slice bound (one list per hub), and this process's
+    (wall, CPU) clock there."""
+    snapshots: list[list[Stats]] = [[] for _ in clients]
+    cpu = []
+    for bound in phases.bounds:
+        await asyncio.sleep(max(0.0, bound - time.perf_counter()))
+        replies = await asyncio.gather(*(client.stats() for client in clients))
+        for per_hub, reply in zip(snapshots, replies, strict=True):
+            per_hub.append(reply)
+        cpu.append((time.perf_counter(), time.process_time()))
+    return snapshots, cpu
+
+
+def full_report(
+    cfg: EmulationConfig,
+    records: list[TargetRecord],
+    snapshots: list[list[Stats]],
+    cpu: list[tuple[float, float]],
+) -> dict:
+    """The report: :func:`report` over the window slices with every hub's counters pooled, the
+    calibration slices', and with several hubs each hub's own figures (:func:`hubs_report`)."""
+    per_hub = [list(itertools.pairwise(s)) for s in snapshots]
+    window = [span for spans in per_hub for span in spans[1::2]]
+    calibration = [span for spans in per_hub for span in spans[::2]]
+    (wall0, cpu0), (wall1, cpu1) = cpu[0], cpu[-1]
+    traced = {"gamma_trace": [t for r in records for t in r.traces]} if cfg.tracing else {}
+    several = (
+        hubs_report(cfg.endpoints, records, per_hub, cfg.duration) if len(snapshots) > 1 else {}
+    )
+    return {
+        **report(cfg, records, window),
+        "calibration": calibration_report(records, calibration),
+        **traced,
+        **several,
+        # near 1: this process is the bottleneck, not the hub (split the targets)
+        "emulator_cpu_fraction": (cpu1 - cpu0) / (wall1 - wall0),
+    }
+
+
+def target_info(cfg: EmulationConfig) -> TargetInfo:
+    """What the emulated targets claim in HELLO: given, or read from the model directory."""
+    if cfg.vocab_size and cfg.tokenizer:
+        return TargetInfo("emulated", cfg.vocab_size, cfg.tokenizer)
+    from starsd import models  # torch and transformers: seconds, only when asked to read
+
+    info = models.load_tokenizer_info(cfg.model or models.TOY_TARGET_DIR)
+    return TargetInfo("emulated", info.vocab_size, info.tokenizer_fingerprint)
+
+
+async def _warm_up(cfg: EmulationConfig, phases: Phases, tasks: list[asyncio.Task]) -> None:
+    """Wait ``cfg.warmup`` and until every target has had a proposal, then set the phases."""
+    started = time.perf_counter()
+    while phases.first_proposals < cfg.targets or time.perf_counter() - started < cfg.warmup:
+        failed = next((t for t in tasks if t.done()), None)
+        if failed is not None:
+            failed.result()  # its error; a target never ends before the window does
+        if time.perf_counter() - started > cfg.warmup + WARMUP_LIMIT_S:
+            raise RuntimeError(
+                f"{phases.first_proposals} of {cfg.targets} targets had a "
+                f"proposal after {WARMUP_LIMIT_S:.0f} s"
+            )
+        await asyncio.sleep(0.01)
+    phases.bounds = schedule(time.perf_counter(), cfg)
+
+
+Span = tuple[Stats, Stats]
+
+
+def hub_counters(spans: list[Span]) -> dict[str, float]:
+    """The hub's counters summed over ``spans`` (STATS snapshots at each one's start and end)."""
+    return {
+        name: sum(getattr(end, name) - getattr(begin, name) for begin, end in spans)
+        for name in ("wall_s", "busy_s", "jobs", "batches", "queue_wait_s")
+    }
+
+
+def per_size_counters(stats: Stats) -> dict[int, tuple[int, float]] | None:
+    """batch size -> (batches, summed service seconds) since the hub started, or None from a
+    hub whose STATS do not carry the service curve."""
+    if stats.batch_sizes is None:
+        return None
+    return {b: (count, seconds) for b, count, seconds in stats.service_totals()}
+
+
+def service_curve(spans: list[Span]) -> list[dict] | None:
+    """S(B) over ``spans``: one row per batch size the hub drafted (its batches and mean service
+    time), or None when the hub does not count batch sizes."""
+    totals: dict[int, list[float]] = {}
+    for begin, end in spans:
+        before, after = per_size_counters(begin), per_size_counters(end)
+        if before is None or after is None:
+            return None
+        for size, (count, seconds) in after.items():
+            count0, seconds0 = before.get(size, (0, 0.0))
+            if count > count0:
+                row = totals.setdefault(size, [0, 0.0])
+                row[0] += count - count0
+                row[1] += seconds - seconds0
+    return [
+        {"batch": b, "batches": int(c), "service_ms": 1e3 * s / c}
+        for b, (c, s) in sorted(totals.items())
+    ]
+
+
+def _batch_fields(hub: dict[str, float], spans: list[Span]) -> dict:
+    batches = hub["batches"]
+    return {
+        "hub_batches": batches,
+        "mean_batch_size": hub["jobs"] / batches if batches else None,
+        "batch_service_ms": 1e3 * hub["busy_s"] / batches if batches else None,
+        "service_curve": service_curve(spans),
+    }
+
+
+def hubs_report(
+    endpoints: tuple[str, ...],
+    records: list[TargetRecord],
+    per_hub: list[list[Span]],
+    duration: float,
+) -> dict:
+    """Per hub (in ``--hub`` order): sessions placed there over the whole run (warm-up
+    included), its open sessions at the window slices' bounds, its counters over the window,
+    and the targets' verified rounds on it (``duration``: the window's seconds); and
+    ``balance``, how evenly sessions, open sessions, jobs and tokens spread over the hubs."""
+    hubs = [
+        {
+            **hub_figures(ep, sum(r.placed.get(ep, 0) for r in records), spans[1::2]),
+            **rounds_on(ep, records, duration),
+        }
+        for ep, spans in zip(endpoints, per_hub, strict=True)
+    ]
+    return {
+        "hubs": hubs,
+        "balance": {
+            key: balance([h[key] for h in hubs])
+            for key in ("sessions_placed", "mean_open_sessions", "jobs", "tokens_per_s")
+        },
+    }
+
+
+def rounds_on(endpoint: str, records: list[TargetRecord], duration: float) -> dict:
+    """The targets' verified rounds on one hub in the window: tokens/s and the mean wait for a
+    proposal (request out -> proposal in)."""
+    rows = [r.hubs[endpoint] for r in records if endpoint in r.hubs]
+    rounds = sum(h.rounds for h in rows)
+    return {
+        "tokens_per_s": sum(h.tokens for h in rows) / duration,
+        "rounds": rounds,
+        "proposal_wait_ms": 1e3 * sum(h.wait_s for h in rows) / max(rounds, 1),
+    }
+
+
+def hub_figures(endpoint: str, placed: int, window: list[Span]) -> dict:
+    """One hub's figures over the window slices ``window``."""
+    hub = hub_counters(window)
+    open_sessions = [s.sessions for span in window for s in span]
+    wall, jobs = hub["wall_s"], hub["jobs"]
+    return {
+        "endpoint": endpoint,
+        "sessions_placed": placed,
+        "mean_open_sessions": sum(open_sessions) / max(len(open_sessions), 1),
+        "busy_fraction": hub["busy_s"] / wall if wall > 0 else 0.0,
+        "jobs": jobs,
+        "queue_wait_ms": 1e3 * hub["queue_wait_s"] / max(jobs, 1),
+        **_batch_fields(hub, window),
+    }
+
+
+def balance(counts: list[float]) -> dict:
+    """How evenly ``counts`` (one per hub) spread: each hub's share of the total, and the
+    largest share over an even one (1.0: even; the number of hubs: all on one hub; None when
+    there is nothing to share)."""
+    total = sum(counts)
+    if total <= 0:
+        return {"shares": [0.0 for _ in counts], "max_over_even": None}
+    shares = [c / total for c in counts]
+    return {"shares": shares, "max_over_even": max(shares) * len(counts)}
+
+
+def calibration_report(records: list[TargetRecord], spans: list[Span]) -> dict:
+    """S(d), the batch sizes and the verify time over the calibration slices."""
+    hub = hub_counters(spans)
+    rounds = sum(r.calibration_rounds for r in records)
+    verify_s = sum(r.calibration_verify_s for r in records)
+    return {
+        "jobs": hub["jobs"],
+        "draft_service_s": hub["busy_s"] / hub["jobs"] if hub["jobs"] else None,
+        "verify_ms": 1e3 * verify_s / rounds if rounds else None,
+        **_batch_fields(hub, spans),
+    }
+
+
+def report(cfg: EmulationConfig, records: list[TargetRecord], spans: list[Span]) -> dict:
+    """Aggregate the per-target records and the hub's counters over the window slices."""
+    latencies = sorted(x for r in records for x in r.token_latency_s)
+    tokens = sum(r.tokens for r in records)
+    rounds = sum(r.rounds for r in records)
+    proposed = sum(r.proposed for r in records)
+    alone_spans = sum(r.alone_spans for r in records)
+    gammas: dict[int, int] = {}
+    for r in records:
+        for g, count in r.gammas.items():
+            gammas[g] = gammas.get(g, 0) + count
+    hub = hub_counters(spans)
+    wall, jobs = hub["wall_s"], max(hub["jobs"], 1)
+    return {
+        "config": asdict(cfg),
+        "n_targets": cfg.targets,
+        "system_tokens_per_s": tokens / cfg.duration,
+        "per_target_tokens_per_s": tokens / cfg.duration / cfg.targets,
+        "hub_busy_fraction": hub["busy_s"] / wall if wall > 0 else 0.0,
+        "draft_service_s": hub["busy_s"] / jobs,
+        "hub_busy_s": hub["busy_s"],
+        "hub_jobs": hub["jobs"],
+        "queue_wait_ms": 1e3 * hub["queue_wait_s"] / jobs,
+        "acceptance_rate": sum(r.accepted for r in records) / max(proposed, 1),
+        "mean_accepted": sum(r.accepted for r in records) / max(rounds, 1),
+        # the gammas the hub chose (fixed: the OPEN's), 0 for spans decoded alone
+        "gamma_counts": {str(g): c for g, c in sorted(gammas.items())},
+        "mean_gamma": proposed / max(rounds + alone_spans, 1),
+        "alone_spans": alone_spans,
+        "alone_tokens": sum(r.alone_tokens for r in records),
+        "sequence_errors": sum(r.errors for r in records),
+        "bytes_per_round": sum(r.bytes for r in records) / max(rounds, 1),
+        "rounds": rounds,
+        "tokens_in_window": tokens,
+        "round_ms": 1e3 * sum(r.round_s for r in records) / max(rounds, 1),
+        "verify_ms": 1e3 * sum(r.verify_s for r in records) / max(rounds, 1),
+        "latency_ms": latency_summary(latencies),
+        "proposal_wait_ms": latency_summary([x for r in records for x in r.proposal_wait_s]),
+        **_batch_fields(hub, spans),
+        "token_latency_ms": [round(1e3 * x, 4) for x in latencies],  # for pooling across runs
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> EmulationConfig:
+    """argparse -> EmulationConfig."""
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.emulate.emulated", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--hub",
+        required=True,
+        help="hub endpoint, or a comma list: each target places sessions over them",
+    )
+    p.add_argument("--targets", type=int, default=EmulationConfig.targets)
+    p.add_argument("--alpha", type=float, default=EmulationConfig.alpha)
+    p.add_argument("--verify-ms", type=float, default=EmulationConfig.verify_ms)
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=EmulationConfig.gamma,
+        help="the gamma each OPEN names; 0: the hub's choice (its --gamma auto)",
+    )
+    p.add_argument(
+        "--verify-ms-per-token",
+        type=float,
+        default=EmulationConfig.verify_ms_per_token,
+        help="verify time grows by this per draft token (--verify-ms + it * gamma)",
+    )
+    p.add_argument(
+        "--alone-step-ms",
+        type=float,
+        default=EmulationConfig.alone_step_ms,
+        help="one token decoded alone (gamma 0 spans); 0: --verify-ms",
+    )
+    p.add_argument(
+        "--alpha-switch",
+        type=float,
+        default=EmulationConfig.alpha_switch,
+        help="the acceptance rate from --switch-at of the run on",
+    )
+    p.add_argument(
+        "--switch-at",
+        type=float,
+        default=EmulationConfig.switch_at,
+        help="fraction of the run after the warm-up at which alpha switches",
+    )
+    p.add_argument(
+        "--trace-gamma",
+        action="store_true",
+        help="record each session's proposal lengths round by round",
+    )
+    p.add_argument("--duration", type=float, default=EmulationConfig.duration)
+    p.add_argument("--warmup", type=float, default=EmulationConfig.warmup)
+    p.add_argument(
+        "--calibration",
+        type=float,
+        default=EmulationConfig.calibration,
+        help="seconds (in all) in which S(d) and verify time are measured",
+    )
+    p.add_argument(
+        "--slices",
+        type=int,
+        default=EmulationConfig.slices,
+        help="window slices, alternating with slices + 1 calibration slices",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=EmulationConfig.max_new_tokens)
+    p.add_argument("--seed", type=int, default=EmulationConfig.seed)
+    p.add_argument("--model", default=EmulationConfig.model, help="target dir (tokenizer only)")
+    p.add_argument("--vocab-size", type=int, default=EmulationConfig.vocab_size)
+    p.add_argument(
+        "--tokenizer",
+        default=EmulationConfig.tokenizer,
+        help="tokenizer fingerprint; with --vocab-size, --model is not read",
+    )
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    try:
+        parse_hub_endpoints(args.hub)
+    except ValueError as exc:
+        p.error(f"--hub: {exc}")
+    return EmulationConfig(**vars(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m scripts.emulate.emulated``."""
+    cfg = parse_args(argv)
+    result = transport.run_loop(emulate(cfg))
+    text = json.dumps(result, indent=2)
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Self-distillation data for the real draft: SmolLM2's own greedy answers to prompts built here.
+
+Each record is one conversation: the chat-formatted prompt ids, the target's greedy answer ids and,
+for every answer position, the target's top-k next-token log-probabilities (the soft labels the
+draft is distilled on). Generation is batched (left padding) through transformers' ``generate``,
+deterministic (greedy, float32), and shows one progress line per batch. Run::
+
+    .venv/bin/python -m scripts.train.real_data [--prompts 480] [--max-new-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from scripts.train import chat_prompts
+from starsd import models
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET_DIR = ROOT / "models" / "smollm2-135m-instruct"
+DATA_PATH = ROOT / ".cache" / "real-draft" / "data.pt"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How much data and where it goes."""
+
+    target: Path = TARGET_DIR
+    out: Path = DATA_PATH
+    prompts: int = 480
+    held_out: int = 16
+    max_new_tokens: int = 96
+    batch: int = 16
+    top_k: int = 32
+    threads: int = 2
+
+
+def answer_batch(
+    loaded: models.LoadedModel, prompts: list[list[int]], config: DataConfig
+) -> list[dict[str, torch.Tensor]]:
+    """Greedy answers to ``prompts`` with the target's top-k log-probs at each answer position."""
+    pad = loaded.tokenizer.pad_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, width]
+    lengths = torch.tensor([[len(p)] for p in prompts])
+    mask = torch.arange(width) >= width - lengths  # the pad id is also <|im_end|>, so by position
+    with torch.inference_mode():
+        out = loaded.model.generate(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            max_new_tokens=config.max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+        )
+    logits = torch.stack(out.logits, dim=1).float()  # [B, new, V]
+    top = torch.log_softmax(logits, dim=-1).topk(config.top_k, dim=-1)
+    return [record(p, out.sequences[i, width:], top, i, loaded) for i, p in enumerate(prompts)]
+
+
+def record(
+    prompt: list[int],
+    answer: torch.Tensor,
+    top: torch.return_types.topk,
+    row: int,
+    loaded: models.LoadedModel,
+) -> dict[str, torch.Tensor]:
+    """One conversation, the answer cut after its first end-of-sequence token."""
+    answer = answer.tolist()
+    end = next((i + 1 for i, t in enumerate(answer) if t in loaded.eos_token_ids), len(answer))
+    return {
+        "prompt": torch.tensor(prompt, dtype=torch.int32),
+        "answer": torch.tensor(answer[:end], dtype=torch.int32),
+        "top_ids": top.indices[row, :end].to(torch.int32),  # [n, k]
+        "top_logp": top.values[row, :end].to(torch.float16),  # [n, k]
+    }
+
+
+def generate(config: DataConfig) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Training and held-out records, one progress line per batch."""
+    torch.set_num_threads(config.threads)
+    loaded = models.load_causal_lm(config.target)
+    sets = {
+        "train": chat_prompts.train_prompts(config.prompts),
+        "held_out": chat_prompts.held_out_prompts(config.held_out),
+    }
+    data: dict[str, list[dict[str, torch.Tensor]]] = {}
+    start = time.perf_counter()
+    for name, conversations in sets.items():
+        ids = [models.chat_prompt_ids(loaded, m) for m in conversations]
+        data[name] = []
+        for at in range(0, len(ids), config.batch):
+            data[name] += answer_batch(loaded, ids[at : at + config.batch], config)
+            tokens = sum(len(r["answer"]) for r in data[name])
+            print(
+                f"{name}: {len(data[name])}/{len(ids)} answers, {tokens} tokens, "
+                f"{time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
+    return data
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Generate and save the data set."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=DataConfig.prompts)
+    parser.add_argument("--max-new-tokens", type=int, default=DataConfig.max_new_tokens)
+    parser.add_argument("--out", type=Path, default=DATA_PATH)
+    args = parser.parse_args(argv)
+    config = DataConfig(prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out)
+    data = generate(config)
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, config.out)
+    print(f"wrote {config.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
