@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from scripts.bench.real import predictions, proposal_bytes
+from scripts.bench import real_costs
+from scripts.bench.real import predicted_for, predictions, proposal_bytes
 
 
 def test_a_dense_q_at_the_real_vocabulary_costs_what_it_should_on_the_wire() -> None:
@@ -31,3 +34,53 @@ def test_the_model_predicts_auto_as_the_best_of_alone_and_every_gamma() -> None:
     assert pred["auto"] == 1.0
     runs["central-g1"]["verify_s"] = 0.050  # a memory-bound target: verify ~ a step
     assert predictions(runs, step)["auto"] == pytest.approx(1.4 * 0.070 / 0.060)
+
+
+def _costs(step: float, verify: dict[int, float], draft: dict[int, float]) -> dict:
+    """Batched costs in the benchmark's JSON layout, alike at every B of 1, 3, 4, 8."""
+    sizes = ("1", "3", "4", "8")
+    return {
+        "step_ms": dict.fromkeys(sizes, step),
+        "verify_ms": {b: {str(g): v for g, v in verify.items()} for b in sizes},
+        "draft_ms": {b: {str(g): d for g, d in draft.items()} for b in sizes},
+    }
+
+
+def test_a_batched_target_is_predicted_from_its_batched_costs_and_never_below_alone() -> None:
+    """Catches --concurrency N priced at B = 1's costs, E[L] taken as 1 + mean accepted at a
+    gamma whose alpha was not inverted, or auto below 1x where no gamma pays."""
+    costs = _costs(100.0, {1: 110.0, 2: 120.0}, {1: 5.0, 2: 10.0})
+    costs["step_ms"]["8"] = 400.0  # eight rows batched: one step of 8 sequences
+    pred = real_costs.one_target_batched(costs, {1: 0.5, 2: 1.0}, 8)
+    assert pred["g1"] == pytest.approx(1.5 * 400.0 / 115.0)
+    assert pred["auto"] == pytest.approx(max(pred["g1"], pred["g2"]))
+    compute_bound = _costs(100.0, {1: 200.0, 2: 300.0}, {1: 5.0, 2: 10.0})
+    assert real_costs.one_target_batched(compute_bound, {1: 0.5, 2: 1.0}, 8)["auto"] == 1.0
+
+
+def test_many_targets_on_one_hub_slow_down_only_once_the_hub_is_full() -> None:
+    """Catches the N-target prediction ignoring the hub's load (each target predicted as if
+    alone on the hub) or ignoring its batching (S(N) taken as N * S(1))."""
+    light = _costs(100.0, {1: 50.0}, {1: 5.0})
+    assert real_costs.many_targets(light, {1: 0.5}, 3)["g1"] == pytest.approx(1.5 * 100 / 55)
+    heavy = _costs(100.0, {1: 50.0}, {1: 5.0})
+    heavy["draft_ms"] = {"1": {"1": 100.0}, "3": {"1": 300.0}, "4": {"1": 400.0}, "8": {"1": 800.0}}
+    slow = real_costs.many_targets(heavy, {1: 0.5}, 3)["g1"]
+    assert slow == pytest.approx(1.5 * 100 / (300.0 + 50.0))  # one batch of 3: S(3) + V
+    batched = _costs(100.0, {1: 50.0}, {1: 5.0})
+    batched["draft_ms"]["3"]["1"] = 6.0  # three jobs in one forward cost little more than one
+    assert real_costs.many_targets(batched, {1: 0.5}, 3)["g1"] > 1.5 * 100 / (3 * 5.0 + 50.0)
+
+
+def test_each_plotted_mode_gets_the_prediction_of_its_own_load() -> None:
+    """Catches a batched mode plotted beside the one-target prediction (or none)."""
+    result = {
+        "predicted": {"g1": 0.7, "g2": 0.6, "auto": 1.0},
+        "predicted_batched": {"c8": {"auto": 1.2}, "3t": {"auto": 1.1}},
+    }
+    assert predicted_for(result, "hub-g2") == 0.6
+    assert predicted_for(result, "central-g1") == 0.7
+    assert predicted_for(result, "hub-auto") == 1.0
+    assert predicted_for(result, "hub-auto-c8") == 1.2
+    assert predicted_for(result, "hub-3t") == 1.1
+    assert math.isnan(predicted_for(result, "prompt-lookup"))

@@ -89,21 +89,59 @@ def configure_assistant(draft: models.LoadedModel, gamma: int) -> None:
     config.assistant_confidence_threshold = 0.0
 
 
+def in_target_vocabulary(draft: models.LoadedModel, draft_dir: str) -> None:
+    """Give a reduced-vocabulary draft (``draft_vocab.safetensors``) the target's vocabulary,
+    in place, so transformers' assisted generation can run it: target ids in, mapped to draft
+    ids (those without one to the reserved row), and logits out over every target id (-inf
+    where the draft has no id). The draft's own cost is unchanged: the head stays K rows."""
+    from torch import nn
+
+    from starsd.hub.drafters.vocab import load_draft_vocab
+
+    vocab = load_draft_vocab(draft_dir)
+    if vocab is None:
+        return
+    model = draft.model
+
+    class DraftIds(nn.Module):  # (nn.Module subclasses: transformers walks the module tree)
+        def __init__(self, embed: nn.Module) -> None:
+            super().__init__()
+            self.embed = embed
+
+        def forward(self, ids: Any) -> Any:
+            return self.embed(vocab.to_draft(ids, unknown=vocab.size))
+
+    class TargetLogits(nn.Module):
+        def __init__(self, head: nn.Module) -> None:
+            super().__init__()
+            self.head = head
+
+        def forward(self, hidden: Any) -> Any:
+            logits = self.head(hidden)[..., : vocab.size]
+            out = logits.new_full((*logits.shape[:-1], vocab.target_size), float("-inf"))
+            out[..., vocab.d2t] = logits
+            return out
+
+    model.model.embed_tokens = DraftIds(model.model.embed_tokens)
+    model.lm_head = TargetLogits(model.lm_head)
+    model.config.vocab_size = vocab.target_size
+
+
 def hf_assisted(
     target: models.LoadedModel,
     draft: models.LoadedModel,
-    prompts: Sequence[str],
+    prompts: Sequence[list[int]],
     max_new_tokens: int,
 ) -> dict[str, Any]:
-    """transformers' assisted generation, greedy, over ``prompts``: tokens/s over the
-    ``generate`` calls' own time, and the generated ids per prompt."""
+    """transformers' assisted generation, greedy, over ``prompts`` (token ids): tokens/s over
+    the ``generate`` calls' own time, and the generated ids per prompt."""
     import torch
     import transformers
 
     transformers.logging.set_verbosity_error()  # (a deprecation note per call otherwise)
     tokens, seconds, ids = 0, 0.0, []
     for prompt in prompts:
-        x = torch.tensor([models.encode_text(target, prompt)])
+        x = torch.tensor([prompt])
         started = time.perf_counter()
         with torch.inference_mode():
             out = target.model.generate(
@@ -150,6 +188,7 @@ def run(
 ) -> dict[str, Any]:
     """The four modes, ``reps`` rotations, against ``reference`` (the target alone's ids)."""
     configure_assistant(draft, cfg.gamma)
+    encoded = [models.encode_text(target, p) for p in prompts]
     logs = {m: work / f"hub-paired-{m}.log" for m in HUB_ARGS}
     hubs = dict(
         zip(
@@ -166,7 +205,7 @@ def run(
         )
     )
     modes: dict[str, Measure] = {
-        HF: lambda: hf_assisted(target, draft, prompts, cfg.max_new_tokens),
+        HF: lambda: hf_assisted(target, draft, encoded, cfg.max_new_tokens),
         CENTRAL: central,
         **{m: _hub_mode(run_target, hubs[m][1], m) for m in logs},
     }

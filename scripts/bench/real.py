@@ -11,16 +11,23 @@ drifts up to 3x within minutes), over held-out chat prompts, greedy:
 * ``central-g1/g2/g4``: the in-process centralized loop (the hub's proposer and the target's
   verifier called directly, no sockets), which also measures the costs the model needs: a
   round's drafting and verification seconds and the tokens it commits;
-* ``prompt-lookup``: transformers' prompt lookup decoding, the single-process peer this draft
-  allows (assisted generation needs the draft to predict over the target's whole vocabulary);
-* at ``--concurrency`` 4 and 8: ``standalone-cN`` and ``hub-auto-cN``.
+* ``prompt-lookup``: transformers' prompt lookup decoding; ``assisted``: transformers' assisted
+  generation with its defaults and the same draft, given the target's vocabulary in this process
+  (``scripts.bench.assisted.in_target_vocabulary``): the single-process peers;
+* at ``--concurrency`` 4 and 8: ``standalone-cN`` and ``hub-auto-cN``;
+* ``standalone-3t`` and ``hub-3t``: three target processes at once (three prompts each), alone
+  or through the one hub; their decode rates summed. On this machine the three and the hub
+  share two cores, so this measures contention as much as the star: the prediction beside it
+  is for targets on hardware of their own.
 
 Each process runs one torch thread: target and hub each take one of the two cores. The
-prediction next to each hub mode is the analytic model's under-loaded regime for one target,
+prediction next to each one-target hub mode is the analytic model's under-loaded regime,
 tokens per round over the round's time (S(1, g) + the verify, the link left out), from the
 costs and the acceptance the centralized loop measured in the same run; for ``--gamma auto``
-the best of decoding alone and every measured gamma. Bytes per round are the encoded
-PROPOSAL's size, greedy and sampled (top-k 50: q over the support only).
+the best of decoding alone and every measured gamma. The batched modes' predictions come from
+T(B), V(B, g) and S(B, g) measured after the repeats (``scripts.bench.real_costs``). The hub's
+log (stats every second) gives each hub mode's pre-draft hit and taken rates. Bytes per round
+are the encoded PROPOSAL's size, greedy and sampled (top-k 50: q over the support only).
 """
 
 from __future__ import annotations
@@ -32,43 +39,52 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from scripts.bench.common import BenchConfig, rotated
-from scripts.bench.harness import REPO
+from scripts.bench import real_costs
+from scripts.bench.assisted import hf_assisted, in_target_vocabulary
+from scripts.bench.common import BenchConfig, pooled_targets, rotated, target_lines
+from scripts.bench.harness import REPO, Processes, start_hub
 from scripts.bench.run import bench_centralized, bench_standalone
 from scripts.train.chat_prompts import held_out_prompts
 from starsd import models, protocol
 from starsd.hub.build import load_proposer
 from starsd.hub.config import HubConfig
+from starsd.hub.drafters.base import Proposer
 
 TARGET, DRAFT = models.PAIRS["smollm2"]
-ENDPOINT = "tcp://127.0.0.1:5791"
 CENTRAL_GAMMAS = (1, 2, 4)
+CONCURRENCIES = (4, 8)
+COST_SIZES = (1, 3, 4, 8)  # B of the batched costs: one target, three, --concurrency 4 and 8
+MANY_TARGETS = 3
 Mode = Callable[[], dict[str, Any]]
 
 
-def chat_rows(count: int) -> list[dict]:
-    """Held-out chat requests as JSONL rows (ids 0..count-1)."""
+def chat_rows(count: int, first: int = 0) -> list[dict]:
+    """Held-out chat requests as JSONL rows (prompts ``first`` .. ``first + count - 1``)."""
+    prompts = held_out_prompts(first + count)[first:]
     return [
-        {"id": i, "prompt": m[0]["content"], "messages": m}
-        for i, m in enumerate(held_out_prompts(count))
+        {"id": first + i, "prompt": m[0]["content"], "messages": m} for i, m in enumerate(prompts)
     ]
 
 
-def run_cli(rows: list[dict], work: Path, tokens: int, concurrency: int, extra: list[str]) -> dict:
-    """One ``edge.target`` run over ``rows``; its decode rate and round counts."""
-    prompts, out = work / "in.jsonl", work / "out.jsonl"
+def target_cmd(rows: list[dict], work: Path, name: str, tokens: int, concurrency: int) -> list[str]:
+    """An ``edge.target`` command line over ``rows`` (written to ``work``), results beside them."""
+    prompts = work / f"{name}-in.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = [sys.executable, "-m", "edge.target", "--prompts", str(prompts), "--out", str(out)]
-    cmd += ["--chat", "--max-new-tokens", str(tokens), "--concurrency", str(concurrency), *extra]
-    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=1200)
-    results = [json.loads(line) for line in out.read_text().splitlines()]
+    cmd = [sys.executable, "-m", "edge.target", "--prompts", str(prompts)]
+    cmd += ["--out", str(work / f"{name}-out.jsonl"), "--chat", "--max-new-tokens", str(tokens)]
+    return [*cmd, "--concurrency", str(concurrency)]
+
+
+def target_result(path: Path, concurrency: int) -> dict:
+    """One target run's decode rate, round counts and ids, from its ``--out`` file."""
+    results = [json.loads(line) for line in path.read_text().splitlines()]
     generated = sum(len(r["token_ids"]) for r in results)
     decode_s = sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in results)
     rounds = sum(r["stats"]["rounds"] for r in results)
@@ -80,6 +96,53 @@ def run_cli(rows: list[dict], work: Path, tokens: int, concurrency: int, extra: 
         "alone_steps": sum(r["stats"]["alone_steps"] for r in results),
         "ids": [r["token_ids"] for r in results],
     }
+
+
+def run_cli(rows: list[dict], work: Path, tokens: int, concurrency: int, extra: list[str]) -> dict:
+    """One ``edge.target`` run over ``rows``; its decode rate and round counts."""
+    cmd = [*target_cmd(rows, work, "t", tokens, concurrency), *extra]
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=1200)
+    return target_result(work / "t-out.jsonl", concurrency)
+
+
+def run_many(groups: Sequence[list[dict]], work: Path, tokens: int, extra: list[str]) -> dict:
+    """One ``edge.target`` process per group, all at once: their decode rates summed, their
+    ids in group order."""
+    names = [f"m{i}" for i in range(len(groups))]
+    procs = [
+        subprocess.Popen(
+            [*target_cmd(rows, work, name, tokens, 1), *extra],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for rows, name in zip(groups, names, strict=True)
+    ]
+    if any(proc.wait(timeout=1200) for proc in procs):
+        raise RuntimeError(f"a target failed: {[proc.returncode for proc in procs]}")
+    each = [target_result(work / f"{name}-out.jsonl", 1) for name in names]
+    return {
+        "tokens": sum(r["tokens"] for r in each),
+        "tokens_per_s": sum(r["tokens_per_s"] for r in each),
+        "rounds": sum(r["rounds"] for r in each),
+        "alone_steps": sum(r["alone_steps"] for r in each),
+        "ids": [ids for r in each for ids in r["ids"]],
+    }
+
+
+def with_hub_figures(log: Path, measure: Mode) -> Mode:
+    """``measure`` with the hub's pre-draft figures for the targets it served meanwhile."""
+
+    def run() -> dict[str, Any]:
+        offset = log.stat().st_size
+        result = measure()
+        with log.open() as f:
+            f.seek(offset)
+            lines = target_lines(f.read())
+        pooled = pooled_targets(lines, list(lines))
+        return {**result, "hit_rate": pooled["hit_rate"], "taken_rate": pooled["taken_rate"]}
+
+    return run
 
 
 def prompt_lookup(target: models.LoadedModel, prompts: list[list[int]], tokens: int) -> dict:
@@ -99,10 +162,19 @@ def prompt_lookup(target: models.LoadedModel, prompts: list[list[int]], tokens: 
     return {"tokens": generated, "tokens_per_s": generated / seconds, "ids": ids}
 
 
-def central(target: models.LoadedModel, prompts: list[list[int]], tokens: int, g: int) -> dict:
+def assisted(
+    target: models.LoadedModel, draft: models.LoadedModel, prompts: list[list[int]], tokens: int
+) -> dict:
+    """transformers' assisted generation with its defaults, the draft in the target's vocabulary."""
+    out = hf_assisted(target, draft, prompts, tokens)
+    return {"tokens_per_s": out["tokens_per_s"], "ids": out["token_ids"]}
+
+
+def central(
+    target: models.LoadedModel, proposer: Proposer, prompts: list[list[int]], tokens: int, g: int
+) -> dict:
     """The in-process centralized loop at gamma ``g``: its rate and per-round costs."""
     cfg = BenchConfig("real", str(TARGET), str(DRAFT), gamma=g, max_new_tokens=tokens)
-    proposer, _ = load_proposer(HubConfig(model=str(DRAFT), threads=1))
     record, measured = bench_centralized(target, proposer, cfg, prompts)
     return {"tokens_per_s": record["system_tokens_per_s"], **measured}
 
@@ -142,27 +214,63 @@ def predictions(runs: dict[str, dict], step_s: float) -> dict[str, float]:
     return pred
 
 
-def plan(target: models.LoadedModel, work: Path, quick: bool, tokens: int) -> dict[str, Mode]:
+def batched_predictions(runs: dict[str, dict], costs: dict[str, Any]) -> dict[str, dict]:
+    """The model at --concurrency N (one target batching N sequences) and for N targets."""
+    accepted = {g: runs[f"central-g{g}"]["mean_accepted"] for g in CENTRAL_GAMMAS}
+    out = {f"c{n}": real_costs.one_target_batched(costs, accepted, n) for n in CONCURRENCIES}
+    out[f"{MANY_TARGETS}t"] = real_costs.many_targets(costs, accepted, MANY_TARGETS)
+    return out
+
+
+class Bench:
+    """What every mode needs: the models in this process, the hub's endpoint and log, a
+    scratch directory."""
+
+    def __init__(self, endpoint: str, log: Path, work: Path, tokens: int) -> None:
+        torch.set_num_threads(1)
+        self.target = models.load_causal_lm(TARGET)
+        self.draft = models.load_causal_lm(DRAFT)
+        in_target_vocabulary(self.draft, str(DRAFT))
+        self.proposer, _ = load_proposer(HubConfig(model=str(DRAFT), threads=1))
+        self.endpoint, self.log, self.work, self.tokens = endpoint, log, work, tokens
+
+    def prompts(self, rows: list[dict]) -> list[list[int]]:
+        return [models.chat_prompt_ids(self.target, r["messages"]) for r in rows]
+
+    def cli(self, rows: list[dict], concurrency: int, *extra: str) -> Mode:
+        return lambda: run_cli(rows, self.work, self.tokens, concurrency, list(extra))
+
+    def hub(self, rows: list[dict], concurrency: int, *extra: str) -> Mode:
+        mode = self.cli(rows, concurrency, "--hub", self.endpoint, *extra)
+        return with_hub_figures(self.log, mode)
+
+
+def plan(b: Bench, quick: bool) -> dict[str, Mode]:
     """Every mode of one repeat, by name."""
     rows = chat_rows(2 if quick else 3)
-    prompts = [models.chat_prompt_ids(target, r["messages"]) for r in rows]
-    hub = ["--hub", ENDPOINT]
+    prompts = b.prompts(rows)
     modes: dict[str, Mode] = {
-        "standalone": lambda: run_cli(rows, work, tokens, 1, ["--standalone"]),
-        "hub-auto": lambda: run_cli(rows, work, tokens, 1, hub),
-        "hub-g1": lambda: run_cli(rows, work, tokens, 1, [*hub, "--gamma", "1"]),
-        "hub-g2": lambda: run_cli(rows, work, tokens, 1, [*hub, "--gamma", "2"]),
-        "prompt-lookup": lambda: prompt_lookup(target, prompts, tokens),
-        "standalone-inproc": lambda: standalone_in_process(target, prompts, tokens),
+        "standalone": b.cli(rows, 1, "--standalone"),
+        "hub-auto": b.hub(rows, 1),
+        "hub-g1": b.hub(rows, 1, "--gamma", "1"),
+        "hub-g2": b.hub(rows, 1, "--gamma", "2"),
+        "prompt-lookup": lambda: prompt_lookup(b.target, prompts, b.tokens),
+        "assisted": lambda: assisted(b.target, b.draft, prompts, b.tokens),
+        "standalone-inproc": lambda: standalone_in_process(b.target, prompts, b.tokens),
     }
     for g in CENTRAL_GAMMAS:
-        modes[f"central-g{g}"] = lambda g=g: central(target, prompts, tokens, g)
-    for n in () if quick else (4, 8):
-        many = chat_rows(n)
-        modes[f"standalone-c{n}"] = lambda m=many, n=n: run_cli(
-            m, work, tokens, n, ["--standalone"]
-        )
-        modes[f"hub-auto-c{n}"] = lambda m=many, n=n: run_cli(m, work, tokens, n, hub)
+        modes[f"central-g{g}"] = lambda g=g: central(b.target, b.proposer, prompts, b.tokens, g)
+    if quick:
+        return modes
+    for n in CONCURRENCIES:
+        modes[f"standalone-c{n}"] = b.cli(chat_rows(n), n, "--standalone")
+        modes[f"hub-auto-c{n}"] = b.hub(chat_rows(n), n)
+    groups = [chat_rows(3, 3 * i) for i in range(MANY_TARGETS)]
+    modes[f"standalone-{MANY_TARGETS}t"] = lambda: run_many(
+        groups, b.work, b.tokens, ["--standalone"]
+    )
+    many_hub = lambda: run_many(groups, b.work, b.tokens, ["--hub", b.endpoint])  # noqa: E731
+    modes[f"hub-{MANY_TARGETS}t"] = with_hub_figures(b.log, many_hub)
     return modes
 
 
@@ -190,24 +298,44 @@ def medians(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return out
 
 
+# Each batched mode and its baseline: the same prompts at the same concurrency, alone.
+def paired_baselines(quick: bool) -> dict[str, str]:
+    if quick:
+        return {}
+    pairs = {f"hub-auto-c{n}": f"standalone-c{n}" for n in CONCURRENCIES}
+    return pairs | {f"hub-{MANY_TARGETS}t": f"standalone-{MANY_TARGETS}t"}
+
+
 def summarise(runs: dict[str, dict], quick: bool) -> dict[str, Any]:
     """Ratios to the baselines, the model's predictions and the token-for-token checks."""
     base = runs["standalone"]["tokens_per_s"]
-    pred = predictions(runs, runs["standalone-inproc"]["step_s"])
+    pairs = paired_baselines(quick)
     ratios = {  # each mode over the target alone at its concurrency (the baselines left out)
         name: r["tokens_per_s"] / base
         for name, r in runs.items()
         if not name.startswith("standalone") or name == "standalone-inproc"
     }
-    for n in () if quick else (4, 8):
-        ratios[f"hub-auto-c{n}"] = (
-            runs[f"hub-auto-c{n}"]["tokens_per_s"] / runs[f"standalone-c{n}"]["tokens_per_s"]
-        )
-    one = [name for name in runs if "ids" in runs[name] and not name.endswith(("-c4", "-c8"))]
+    for mode, baseline in pairs.items():
+        ratios[mode] = runs[mode]["tokens_per_s"] / runs[baseline]["tokens_per_s"]
+    one = [n for n in runs if "ids" in runs[n] and n not in pairs and n not in pairs.values()]
     identical = all(runs[name]["ids"] == runs["standalone"]["ids"] for name in one)
-    for n in () if quick else (4, 8):
-        identical &= runs[f"hub-auto-c{n}"]["ids"] == runs[f"standalone-c{n}"]["ids"]
+    identical &= all(runs[m]["ids"] == runs[b]["ids"] for m, b in pairs.items())
+    pred = predictions(runs, runs["standalone-inproc"]["step_s"])
     return {"ratios": ratios, "predicted": pred, "identical": identical}
+
+
+def predicted_for(result: dict[str, Any], mode: str) -> float:
+    """The model's speedup beside ``mode`` (NaN where it has none)."""
+    pred, batched = result["predicted"], result.get("predicted_batched", {})
+    if mode.startswith(("hub-g", "central-g")):
+        return pred.get(mode.split("-")[1], float("nan"))
+    if mode == "hub-auto":
+        return pred["auto"]
+    if mode.startswith("hub-auto-c"):
+        return batched.get(mode.removeprefix("hub-auto-"), {}).get("auto", float("nan"))
+    if mode.startswith("hub-") and mode.endswith("t"):
+        return batched.get(mode.removeprefix("hub-"), {}).get("auto", float("nan"))
+    return float("nan")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -218,20 +346,37 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [n for n in result["ratios"] if n != "standalone-inproc"]
-    key = {f"hub-g{g}": f"g{g}" for g in CENTRAL_GAMMAS} | {"hub-auto": "auto"}
-    key |= {f"central-g{g}": f"g{g}" for g in CENTRAL_GAMMAS}
-    predicted = [result["predicted"].get(key.get(n, ""), float("nan")) for n in names]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     x = np.arange(len(names))
     ax.bar(x - 0.2, [result["ratios"][n] for n in names], 0.4, label="measured")
-    ax.bar(x + 0.2, predicted, 0.4, label="analytic model")
+    ax.bar(x + 0.2, [predicted_for(result, n) for n in names], 0.4, label="analytic model")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(x, names, rotation=30, ha="right")
-    ax.set_ylabel("x the target alone (-cN: at --concurrency N)")
+    ax.set_ylabel("x the target alone (-cN, -3t: at the same load)")
     ax.set_title("SmolLM2-135M-Instruct + its draft, greedy chat, this 2-core CPU")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+
+
+def run(args: argparse.Namespace, procs: Processes, work: Path) -> dict[str, Any]:
+    """The hub, every mode's repeats, then the batched costs; the result as written."""
+    tokens, repeats = (32, 1) if args.quick else (args.max_new_tokens, args.repeats)
+    log = work / "hub.log"
+    _, endpoint = start_hub(procs, str(DRAFT), log, "--threads", "1", "--stats-interval", "1")
+    bench = Bench(endpoint, log, work, tokens)
+    runs = medians(run_repeats(plan(bench, args.quick), repeats))
+    result = {"max_new_tokens": tokens, "repeats": repeats, **summarise(runs, args.quick)}
+    sizes, cost_repeats = ((1,), 2) if args.quick else (COST_SIZES, 6)
+    costs = real_costs.measure(bench.target, bench.proposer, sizes, CENTRAL_GAMMAS, cost_repeats)
+    if not args.quick:
+        result["predicted_batched"] = batched_predictions(runs, costs)
+    result["costs"] = costs
+    result["proposal_bytes"] = {
+        g: proposal_bytes(g, bench.target.vocab_size, 50) for g in (1, 2, 4)
+    }
+    result["runs"] = {k: {f: v for f, v in r.items() if f != "ids"} for k, r in runs.items()}
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -242,25 +387,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=REPO / "results" / "bench-real.json")
     args = p.parse_args(argv)
-    tokens, repeats = (32, 1) if args.quick else (args.max_new_tokens, args.repeats)
-    torch.set_num_threads(1)
-    target = models.load_causal_lm(TARGET)
-    hub_cmd = [sys.executable, "-m", "starsd.hub", "--bind", ENDPOINT, "--threads", "1"]
-    hub = subprocess.Popen(hub_cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = Processes()
     try:
-        time.sleep(8)  # the hub loads its draft
         with tempfile.TemporaryDirectory() as tmp:
-            runs = medians(run_repeats(plan(target, Path(tmp), args.quick, tokens), repeats))
+            result = run(args, procs, Path(tmp))
     finally:
-        hub.terminate()
-        hub.wait(timeout=30)
-    result = {"max_new_tokens": tokens, "repeats": repeats, **summarise(runs, args.quick)}
-    result["proposal_bytes"] = {g: proposal_bytes(g, target.vocab_size, 50) for g in (1, 2, 4)}
-    result["runs"] = {k: {f: v for f, v in r.items() if f != "ids"} for k, r in runs.items()}
+        procs.stop_all()
     args.out.parent.mkdir(exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("ratios", "predicted", "identical")}, indent=2))
+    keys = ("ratios", "predicted", "predicted_batched", "identical")
+    print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
 
 
 if __name__ == "__main__":
