@@ -28,6 +28,8 @@ help:
 	@echo "make real-draft  re-make the SmolLM2 draft: self-distillation data, then training (~30 min)"
 	@echo "make eval-models re-measure the default pair into results/eval-models.json"
 	@echo "make eagle-head  train + evaluate the EAGLE-1 head -> models/starsd-eagle (~5 min)"
+	@echo "make eagle3-head train an EAGLE-3 head for the toy target, compared with EAGLE-1 and the"
+	@echo "                 draft LLM in the hub's proposers -> models/starsd-eagle3 (~25 min)"
 	@echo "make bench       all modes side by side, one hub batched vs --max-batch 1, one hub + one target vs"
 	@echo "                 transformers' assisted generation, pre-draft hit rate -> results/bench.json + .png  [QUICK=1]"
 	@echo "make bench-scale emulated targets up to N=256 (QUICK 128), one-at-a-time vs batched hub, N_full, S(B),"
@@ -100,9 +102,12 @@ eval-models: $(STAMP)
 	$(BIN)/python -m scripts.train.eval_models
 	$(BIN)/python -m scripts.train.write_model_cards
 
-.PHONY: eagle-head
+.PHONY: eagle-head eagle3-head
 eagle-head: $(STAMP)
 	$(BIN)/python -m scripts.train.train_eagle_head
+
+eagle3-head: $(STAMP)
+	$(BIN)/python -m scripts.train.train_eagle3_head
 
 bench: $(READY)
 	$(BIN)/python -m scripts.bench.run --suite main $(BENCH_ARGS)

@@ -123,6 +123,8 @@ class TargetInfo:
     tokenizer: str
     feature_width: int = 0  # > 0: this target can send its features (for EAGLE hubs)
     push: int = 0  # pushed branches per round its sessions take (Open.push; 0: none)
+    # not sent: L when it can tap every hidden state 0..L (EAGLE-3), 0 only its last one
+    layers: int = 0
 
 
 def push_for(params: SamplingParams, push: int, offered: int) -> int:
@@ -133,6 +135,18 @@ def push_for(params: SamplingParams, push: int, offered: int) -> int:
     the round trip it saves; greedy branches carry no q and top-k / top-p ones only their
     support."""
     return min(push, offered) if params.greedy or params.truncated else 0
+
+
+def tap_problem(taps: tuple[int, ...], layers: int) -> str:
+    """Why a target with ``layers`` tappable layers (0: only its last hidden state) cannot send
+    the hidden states ``taps`` ('' if it can; ``taps`` already parsed)."""
+    if taps in ((), (-1,)):
+        return ""
+    if not layers:
+        return f"the hub drafts from hidden states {list(taps)}; this target taps only its last"
+    if max(taps) > layers:
+        return f"the hub drafts from hidden states {list(taps)}; this target has 0..{layers}"
+    return ""
 
 
 def checked_welcome(welcome: Welcome) -> tuple[Welcome, list[str]]:
@@ -311,7 +325,9 @@ class HubClient:
     def _check_welcome(self, welcome: Welcome) -> Welcome:
         # The hub checks too; checking here as well means a lax or old hub cannot slip through.
         hello = self._hello_msg()
-        problems = protocol.compatibility_problems(welcome, hello)
+        problems = protocol.compatibility_problems(welcome, hello) or tap_problem(
+            protocol.feature_taps(welcome), self.info.layers
+        )
         if problems:
             raise HubError(ErrorCode.INCOMPATIBLE, printable(problems, 400))
         welcome, changed = checked_welcome(welcome)
@@ -371,9 +387,15 @@ class HubClient:
                 log.error("hub %s refused this target: %s", self.endpoint, exc)
 
     @property
-    def wants_features(self) -> bool:
-        """Whether the hub drafts from target features (EAGLE): OPEN and DRAFT must carry them."""
-        return self.welcome is not None and self.welcome.feature_width > 0
+    def needed_taps(self) -> tuple[int, ...]:
+        """The target hidden states the hub drafts from (() none; WELCOME was checked): OPEN
+        and DRAFT must carry them."""
+        return () if self.welcome is None else protocol.feature_taps(self.welcome)
+
+    @property
+    def announced_taps(self) -> tuple[int, ...]:
+        """:attr:`needed_taps` of the last WELCOME, while down too."""
+        return () if self.announced is None else protocol.feature_taps(self.announced)
 
     async def open(
         self,

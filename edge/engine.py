@@ -39,19 +39,18 @@ class Engine:
         self.gamma = gamma  # 0: the hub's choice
         self.fallback = fallback or Fallback()
 
-    def collect_features(self) -> bool:
-        """Whether a new sequence should keep its features: when the hub drafts from them, or
-        while no hub has answered yet (an EAGLE hub may be the one that appears). They cost a
-        little per forward."""
-        client = self.client
-        return client is not None and client.keeps_features()
+    def feature_taps(self) -> tuple[int, ...]:
+        """The hidden states a new sequence should keep (() none): those the hubs draft from,
+        and the last one while a hub has not answered yet (an EAGLE hub may be the one that
+        appears). They cost a little per forward."""
+        return () if self.client is None else self.client.feature_taps()
 
     def new_sequence(
         self, prompt: list[int], params: SamplingParams, max_new_tokens: int
     ) -> TargetSequence:
         """A sequence for :meth:`run` (not prefilled yet: :meth:`run` batches its prefill)."""
         return TargetSequence(
-            self.backend, prompt, params, max_new_tokens, self.collect_features(), prefill=False
+            self.backend, prompt, params, max_new_tokens, self.feature_taps(), prefill=False
         )
 
     async def run(

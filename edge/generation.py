@@ -77,9 +77,9 @@ class Delta:
     figures: dict[str, Any] | None = None
 
 
-# A request's sequence from (job, request index, collect features): edge.target.job_sequence,
+# A request's sequence from (job, request index, feature taps): edge.target.job_sequence,
 # the construction --prompts uses.
-NewSequence = Callable[["Job", int, bool], TargetSequence]
+NewSequence = Callable[["Job", int, tuple[int, ...]], TargetSequence]
 
 # What the worker thread posts per commit: the tokens, and the sequence's running totals of
 # rounds, draft tokens and accepted tokens then (a round's figures are the difference).
@@ -165,7 +165,7 @@ class RequestQueue:
         await self.runner.run(seq)
 
     def _new_sequence(self, job: Job) -> TargetSequence:
-        return self.new_sequence(job, next(self.index), self.runner.collect_features())
+        return self.new_sequence(job, next(self.index), self.runner.feature_taps())
 
     def publish(self) -> None:
         """Refresh the running / waiting / hub gauges."""

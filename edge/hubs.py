@@ -102,7 +102,12 @@ class HubPool:
         """:meth:`create` for a target running ``model`` (what HELLO says of it), whose
         sessions take ``push`` pushed branches per round."""
         info = TargetInfo(
-            model.name, model.vocab_size, model.tokenizer_fingerprint, model.hidden_size, push
+            model.name,
+            model.vocab_size,
+            model.tokenizer_fingerprint,
+            model.hidden_size,
+            push,
+            model.layers,
         )
         return cls.create(ctx, endpoints, info, curves)
 
@@ -111,10 +116,11 @@ class HubPool:
         """Whether at least one hub serves this target now."""
         return any(client.up for client in self.clients)
 
-    def keeps_features(self) -> bool:
-        """Whether new sequences should keep their target features: some hub drafts from them
-        (EAGLE), or a hub has never said what it drafts from (it may be such a hub)."""
-        return any(c.announced is None or c.announced.feature_width > 0 for c in self.clients)
+    def feature_taps(self) -> tuple[int, ...]:
+        """The hidden states new sequences should keep: every tap some hub drafts from (EAGLE),
+        and the last one (EAGLE-1's) for a hub that has never said what it drafts from."""
+        needed = (c.announced_taps if c.announced is not None else (-1,) for c in self.clients)
+        return tuple(dict.fromkeys(t for taps in needed for t in taps))
 
     def live(self) -> list[HubClient]:
         """The hubs serving this target now."""
@@ -153,17 +159,15 @@ class HubPool:
             await client.aclose()
         return refusal
 
-    def pick(self, with_features: bool = True) -> HubClient | None:
+    def pick(self, taps: tuple[int, ...] = (-1,)) -> HubClient | None:
         """The live hub with the most spare capacity (see the module docstring), counted as
         holding one more session of ours from now on; None when no hub is live. Hubs that are
         full or set aside after misbehaving (HubClient.strike) are left out, and so are EAGLE
-        hubs without ``with_features`` (the sequence keeps no target features)."""
+        hubs that draft from hidden states not among ``taps`` (those the sequence keeps)."""
         live = [
             client
             for client in self.live()
-            if not client.full()
-            and not client.set_aside()
-            and (with_features or not client.wants_features)
+            if not client.full() and not client.set_aside() and set(client.needed_taps) <= set(taps)
         ]
         if not live:
             return None

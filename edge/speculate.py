@@ -147,7 +147,7 @@ async def _place(
 ) -> HubSession | None:
     """A session on the live hub with the most room, or None (decode a token alone). A hub
     that drafts from target features (EAGLE) is no place for a sequence that did not keep them."""
-    client = pool.pick(with_features=seq.collect_features)
+    client = pool.pick(seq.taps)
     if client is None:
         return None
     session = await _open(client, seq, params, gamma, fallback)
@@ -182,7 +182,7 @@ async def _open(
 ) -> HubSession | None:
     tokens = [*seq.prompt, *seq.generated]
     generation = client.generation
-    features = seq.features(0, len(tokens) - 1) if client.wants_features else None
+    features = seq.features(0, len(tokens) - 1, client.needed_taps) if client.needed_taps else None
     try:
         tag, inbox = await client.open(tokens, params, gamma, fallback.open_timeout_s, features)
     except HubUnavailable as exc:
@@ -336,7 +336,8 @@ async def _answer(
     if len(appended) > limits.MAX_APPENDED:
         await client.close_session(session.tag)
         return False
-    features = seq.features(synced - 1, seq.committed - 1) if client.wants_features else None
+    taps = client.needed_taps
+    features = seq.features(synced - 1, seq.committed - 1, taps) if taps else None
     session.taken = _branch_for(session, accepted, appended)
     taken = len(session.taken.tokens) if session.taken is not None else 0
     await client.draft(session.tag, session.expected, accepted, appended, features, taken)

@@ -248,19 +248,17 @@ def new_sequence(
     config: TargetConfig,
     request: Request,
     index: int,
-    collect_features: bool = False,
+    taps: tuple[int, ...] = (),
 ) -> TargetSequence:
     """A fresh sequence for ``request``, not prefilled yet (:meth:`Engine.run` batches that);
-    seeds differ per request but not per run. ``collect_features`` keeps the target's features
-    for an EAGLE hub (from the first position on, so the sequence can be re-opened on a hub at
-    any point): :meth:`Engine.collect_features` says when."""
+    seeds differ per request but not per run. ``taps`` keeps the target's features for an
+    EAGLE hub (from the first position on, so the sequence can be re-opened on a hub at any
+    point): :meth:`Engine.feature_taps` says which."""
     params = request.sampling or SamplingParams(
         config.temperature, config.top_k, config.top_p, config.seed + index
     )
     prompt = list(request.prompt_ids or backend.encode(request.prompt))
-    return TargetSequence(
-        backend, prompt, params, request.max_new_tokens, collect_features, prefill=False
-    )
+    return TargetSequence(backend, prompt, params, request.max_new_tokens, taps, prefill=False)
 
 
 def to_result(backend: VerifierBackend, request: Request, seq: TargetSequence) -> Result:
@@ -331,7 +329,7 @@ async def _run_all(
 
         async def one(index: int, request: Request) -> Result:
             async with limit:
-                seq = new_sequence(backend, config, request, index, engine.collect_features())
+                seq = new_sequence(backend, config, request, index, engine.feature_taps())
                 await engine.run(seq)
                 _log_sequence(request, seq)
                 bar.update(1)
@@ -590,12 +588,12 @@ def write_results(config: TargetConfig, results: list[Result]) -> None:
 
 
 def job_sequence(
-    backend: VerifierBackend, config: TargetConfig, job: Job, index: int, features: bool
+    backend: VerifierBackend, config: TargetConfig, job: Job, index: int, taps: tuple[int, ...]
 ) -> TargetSequence:
     """The sequence of an HTTP request (edge.serve): built as a --prompts line's is (not
     prefilled: the server's engine batches that)."""
     request = Request(None, "", job.max_tokens, job.params, prompt_ids=job.prompt_ids)
-    return new_sequence(backend, config, request, index, features)
+    return new_sequence(backend, config, request, index, taps)
 
 
 def _serve(config: TargetConfig) -> int:

@@ -81,7 +81,7 @@ class TargetSequence:
         prompt: list[int],
         params: SamplingParams,
         max_new_tokens: int,
-        collect_features: bool = False,
+        taps: Sequence[int] = (),
         prefill: bool = True,
     ) -> None:
         """``prefill`` False leaves the prompt unfed: batch it later with :func:`prefill_batch`
@@ -98,10 +98,11 @@ class TargetSequence:
         self.done = max_new_tokens <= 0
         self.stats = SequenceStats()
         self.cache: SequenceCache | None = SequenceCache()  # None once the sequence is done
-        # EAGLE hubs draft from the target's features: one row per committed position but the
-        # last (whose forward has not run yet), kept in float16 for the wire.
-        self.collect_features = collect_features
-        self.feature_rows: list[torch.Tensor] = []  # each [H] float16
+        # EAGLE hubs draft from the target's features: the hidden states at ``taps``
+        # (starsd.llama.tapped; () none), one row per committed position but the last (whose
+        # forward has not run yet), kept in float16 for the wire.
+        self.taps = tuple(taps)
+        self.feature_rows: list[torch.Tensor] = []  # each [len(taps) H] float16
         # Called (in whichever thread commits) with each run of newly committed tokens: the
         # HTTP server (edge.serve) streams them as they land. None: nobody listens.
         self.on_commit: Callable[[list[int]], None] | None = None
@@ -136,14 +137,21 @@ class TargetSequence:
         """Verify one proposal alone; see :func:`verify_batch`."""
         return verify_batch(self.backend, [(self, draft_tokens, q_probs)])[0]
 
-    def features(self, start: int, stop: int) -> np.ndarray:
-        """Features of positions ``start .. stop - 1`` as [n, H] float16 (collect_features)."""
+    @property
+    def collect_features(self) -> bool:
+        """Whether this sequence keeps features (some taps)."""
+        return bool(self.taps)
+
+    def features(self, start: int, stop: int, taps: Sequence[int] | None = None) -> np.ndarray:
+        """Features of positions ``start .. stop - 1`` at ``taps`` (a subset of the sequence's
+        own; None: all of them) as [n, len(taps) H] float16."""
+        taps = self.taps if taps is None else tuple(taps)
         rows = self.feature_rows[start:stop]
         if len(rows) != stop - start:
             raise ValueError(f"features {start}..{stop} not available ({len(self.feature_rows)})")
         if not rows:
-            return np.zeros((0, self.info.hidden_size), dtype=np.float16)
-        return torch.stack(rows).numpy()
+            return np.zeros((0, len(taps) * self.info.hidden_size), dtype=np.float16)
+        return tap_columns(torch.stack(rows), self.taps, taps, self.info.hidden_size).numpy()
 
     def _apply(
         self,
@@ -152,16 +160,17 @@ class TargetSequence:
         out: RowOutput,
         fed_before: int,
         is_round: bool,
+        taps: tuple[int, ...] = (),
     ) -> tuple[int, list[int]]:
         """Judge a forward's row (``fed_before`` uncached tokens, then ``drafts``), keep the
-        accepted part of its cache and features, commit."""
+        accepted part of its cache and features (laid out by ``taps``), commit."""
         assert self.cache is not None
         gamma = len(drafts)
         accepted, token = self._judge(list(drafts), q_probs, out.logits[-(gamma + 1) :])
         keep = fed_before + accepted  # the uncached tokens and the accepted drafts
         out.cache.crop(self.cache.length + keep)
         self.cache = out.cache
-        self._keep_features(out.features, keep)
+        self._keep_features(out.features, keep, taps)
         self.stats.target_forwards += 1
         if is_round:
             self.stats.rounds += 1
@@ -187,10 +196,14 @@ class TargetSequence:
         )
         return int(accepted[0]), int(token[0])
 
-    def _keep_features(self, features: torch.Tensor | None, n: int) -> None:
-        """Keep the first ``n`` rows: the positions that stay committed."""
-        if features is not None and self.collect_features:
-            self.feature_rows.extend(features[:n].to(torch.float16).unbind(0))
+    def _keep_features(
+        self, features: torch.Tensor | None, n: int, taps: tuple[int, ...] = ()
+    ) -> None:
+        """Keep the first ``n`` rows (the positions that stay committed) of the own taps out of
+        ``features``, laid out by ``taps`` (the forward's)."""
+        if features is not None and self.taps:
+            own = tap_columns(features[:n], taps, self.taps, self.info.hidden_size)
+            self.feature_rows.extend(own.to(torch.float16).unbind(0))
 
     def _commit(self, tokens: list[int]) -> None:
         # Stop exactly where the target alone would: at the first EOS (kept) or the length limit.
@@ -219,17 +232,32 @@ def prefill_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> i
     _distinct(seqs)
     rows = [s for s in seqs if not s.done and len(s.uncached()) > 1]
     if rows:
-        outs = backend.forward(
-            [_cache(s) for s in rows],
-            [s.uncached()[:-1] for s in rows],
-            features=any(s.collect_features for s in rows),
-        )
+        taps = union_taps(rows)
+        outs = backend.forward([_cache(s) for s in rows], [s.uncached()[:-1] for s in rows], taps)
         for seq, out in zip(rows, outs, strict=True):
-            seq._keep_features(out.features, len(out.logits))
+            seq._keep_features(out.features, len(out.logits), taps)
             seq.cache = out.cache
     for seq in seqs:
         seq.stats.last_commit = time.perf_counter()  # latency counts decoding, not the prefill
     return len(rows)
+
+
+def union_taps(seqs: Sequence[TargetSequence]) -> tuple[int, ...]:
+    """Every tap some of ``seqs`` keep, in first-seen order: what one forward of them taps."""
+    return tuple(dict.fromkeys(t for s in seqs for t in s.taps))
+
+
+def tap_columns(
+    features: torch.Tensor, laid_out: tuple[int, ...], wanted: tuple[int, ...], width: int
+) -> torch.Tensor:
+    """The columns of taps ``wanted`` out of features [n, len(laid_out) width] (each tap's
+    hidden state ``width`` wide, side by side in ``laid_out`` order)."""
+    if wanted == laid_out:
+        return features
+    if not set(wanted) <= set(laid_out):
+        raise ValueError(f"taps {list(wanted)} are not among those kept, {list(laid_out)}")
+    parts = [laid_out.index(t) for t in wanted]
+    return torch.cat([features[:, i * width : (i + 1) * width] for i in parts], dim=-1)
 
 
 def step_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> list[int]:
@@ -290,10 +318,10 @@ def decode_batch(
         check_proposal(seq, drafts, q_probs)
     uncached = [seq.uncached() for seq, _, _ in proposals]
     feeds = [[*u, *drafts] for u, (_, drafts, _) in zip(uncached, proposals, strict=True)]
-    features = any(seq.collect_features for seq, _, _ in proposals)
-    outs = backend.forward([_cache(seq) for seq, _, _ in proposals], feeds, features)
+    taps = union_taps([seq for seq, _, _ in proposals])
+    outs = backend.forward([_cache(seq) for seq, _, _ in proposals], feeds, taps)
     return [
-        seq._apply(drafts, q, out, len(u), is_round)
+        seq._apply(drafts, q, out, len(u), is_round, taps)
         for (seq, drafts, q), u, out, is_round in zip(
             proposals, uncached, outs, rounds, strict=True
         )

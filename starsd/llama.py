@@ -91,7 +91,7 @@ class LlamaDecoder:
         positions: torch.Tensor,
         kv: KeyValues,
         logits_at: torch.Tensor | None = None,
-        hidden: bool = False,
+        taps: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached forward of a ragged batch.
 
@@ -100,18 +100,26 @@ class LlamaDecoder:
             kv: the cache the new keys go into and attention reads.
             logits_at: [B] feed column per row whose logits are wanted (the others are not
                 computed), or None for every column.
-            hidden: also return the last hidden state after the final norm (EAGLE's features).
+            taps: hidden states to return as features, by transformers' ``hidden_states``
+                index (:func:`tapped`; -1 the last): EAGLE-1 drafts from ``(-1,)``, EAGLE-3
+                from three layers.
 
         Returns:
-            logits [B, F, V] (or [B, 1, V] with ``logits_at``), and [B, F, H] features or None.
+            logits [B, F, V] (or [B, 1, V] with ``logits_at``), and [B, F, len(taps) H]
+            float32 features (the taps side by side, in order) or None without taps.
         """
+        taps = [i if i >= 0 else len(self.layers) + 1 + i for i in taps]  # -1: the last
         x = self.embed[input_ids]  # [B, F, H]
         cos, sin = rotary(positions, self.inv_freq, self.embed.dtype, self.rope_scale)
+        states = {0: x} if 0 in taps else {}
         for index, layer in enumerate(self.layers):
             x = self._layer(index, layer, x, cos, sin, kv)
+            if index + 1 in taps:
+                states[index + 1] = x
         out = rms_norm(x, self.norm, self.shape.eps)  # [B, F, H]
+        states[len(self.layers)] = out  # (hidden_states[L] is after the final norm)
         picked = out if logits_at is None else out[torch.arange(out.shape[0]), logits_at][:, None]
-        return F.linear(picked, self.lm_head).float(), (out.float() if hidden else None)
+        return F.linear(picked, self.lm_head).float(), tapped(states, taps)
 
     def _layer(
         self,
@@ -137,6 +145,17 @@ class LlamaDecoder:
         x = x + F.linear(attended, layer.o, layer.o_bias)
         gate, up = F.linear(rms_norm(x, layer.post_norm, s.eps), layer.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, layer.down)
+
+
+def tapped(states: dict[int, torch.Tensor], taps: Sequence[int]) -> torch.Tensor | None:
+    """The hidden states at ``taps`` side by side [..., len(taps) H] float32 (None: no taps).
+
+    Index i < L is the residual stream entering decoder layer i (0: the token embeddings), L
+    (or -1) the last hidden state after the final norm: transformers' ``hidden_states[i]`` with
+    ``output_hidden_states=True``, so ``lm_head`` of tap L gives the logits."""
+    if not taps:
+        return None
+    return torch.cat([states[i] for i in taps], dim=-1).float()
 
 
 def rotary(

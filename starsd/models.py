@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,12 +224,19 @@ def forward(loaded: LoadedModel, token_ids: list[int], cache: Any) -> torch.Tens
 
 
 def forward_with_features(
-    loaded: LoadedModel, token_ids: list[int], cache: Any
+    loaded: LoadedModel, token_ids: list[int], cache: Any, taps: Sequence[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like :func:`forward`, plus the features EAGLE drafts from: the last hidden state after
-    the final norm, so ``lm_head(features) == logits``. Returns ([n, V], [n, H]) float32 CPU."""
+    """Like :func:`forward`, plus features: the hidden states at ``taps`` side by side
+    (:func:`starsd.llama.tapped`), by default EAGLE-1's, the last hidden state after the final
+    norm (``lm_head(features) == logits``). Returns ([n, V], [n, len(taps) H]) float32 CPU."""
     out = _run(loaded, token_ids, cache, hidden=True)
-    return out.logits[0].float().cpu(), out.hidden_states[-1][0].float().cpu()
+    taps = (-1,) if taps is None else taps
+    return out.logits[0].float().cpu(), _tapped(out.hidden_states, taps)[0]
+
+
+def _tapped(hidden_states: Sequence[torch.Tensor], taps: Sequence[int]) -> torch.Tensor:
+    """transformers' ``hidden_states`` at ``taps``, side by side, float32 on CPU."""
+    return torch.cat([hidden_states[i] for i in taps], dim=-1).float().cpu()
 
 
 @torch.inference_mode()
@@ -250,7 +258,7 @@ def forward_batch(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     kv: KeyValues,
-    hidden: bool = False,
+    taps: Sequence[int] = (),
     logits_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward of a ragged batch: every batched forward of the hub and the target.
@@ -260,12 +268,12 @@ def forward_batch(
         kv: where the new keys go and what each row attends over: :class:`PaddedKeyValues`
             (gathered buffers and their key mask, :mod:`starsd.batch`) or
             :class:`starsd.kvpool.PooledRows` (every row in its pool slot; a plain Llama only).
-        hidden: also return the features EAGLE drafts from (see :func:`forward_with_features`).
+        taps: hidden states to return as features (:func:`starsd.llama.tapped`); () none.
         logits_at: [B] the one feed column per row whose logits are wanted; None: all.
 
     Returns:
-        logits [B, n, V] ([B, 1, V] with ``logits_at``) float32 on CPU, and features [B, n, H]
-        when ``hidden``.
+        logits [B, n, V] ([B, 1, V] with ``logits_at``) float32 on CPU, and features
+        [B, n, len(taps) H] with taps, else None.
 
     A plain Llama runs :mod:`starsd.llama` (one attention implementation, StarSD's); any other
     architecture runs transformers' forward with its own attention over the padded buffers.
@@ -276,7 +284,7 @@ def forward_batch(
             positions,
             kv,
             None if logits_at is None else logits_at.to(loaded.device),
-            hidden,
+            taps,
         )
         return logits.cpu(), None if features is None else features.cpu()
     if not isinstance(kv, PaddedKeyValues):
@@ -290,9 +298,9 @@ def forward_batch(
             use_cache=True,
             attention_mask=mask,
             position_ids=positions.to(loaded.device),
-            output_hidden_states=hidden,
+            output_hidden_states=bool(taps),
         )
-    features = out.hidden_states[-1].float().cpu() if hidden else None
+    features = _tapped(out.hidden_states, taps) if taps else None
     logits = out.logits if logits_at is None else _pick(out.logits, logits_at)
     return logits.float().cpu(), features
 
@@ -374,6 +382,11 @@ def _buffered_layer_class() -> type:
 def hidden_size(loaded: LoadedModel) -> int:
     """Width of the model's features (its last hidden state)."""
     return int(loaded.model.get_output_embeddings().weight.shape[1])
+
+
+def layer_count(loaded: LoadedModel) -> int:
+    """L, the decoder's layers: its hidden states are taps 0..L (:func:`starsd.llama.tapped`)."""
+    return int(loaded.model.config.num_hidden_layers)
 
 
 @dataclass(frozen=True)

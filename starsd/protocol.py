@@ -106,6 +106,10 @@ class Welcome:
     version: int = PROTOCOL_VERSION
     feature_width: int = 0  # > 0: the hub drafts from target features (EAGLE) of this width
     feature_dtype: str = "float16"  # and expects them in this dtype
+    # The hidden states a feature row holds, side by side: "" the target's last (EAGLE-1's),
+    # else comma-separated layer indices (EAGLE-3's three; see feature_taps). Sparse: sent by
+    # hubs that draft from other layers only.
+    feature_layers: str = field(default="", metadata={"sparse": True})
     # The hub's load when it answered (WELCOME and PONG from a hub; targets place new sessions
     # on the hub with the most spare capacity, edge.hubs). Sparse: absent from older hubs.
     sessions: int = field(default=0, metadata={"sparse": True})  # open sessions, all targets
@@ -337,6 +341,29 @@ Message: TypeAlias = (
 MESSAGE_TYPES: dict[int, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 
+MAX_FEATURE_LAYERS = 8  # hidden states one feature row may hold
+
+
+def feature_taps(welcome: Welcome) -> tuple[int, ...]:
+    """The hidden states a hub drafts from, as :func:`starsd.llama.tapped` indexes them: ()
+    for none, (-1,) for the last (EAGLE-1), else WELCOME's layer list. ValueError for a list
+    that is not up to MAX_FEATURE_LAYERS distinct indices in 0..4095."""
+    if not welcome.feature_width:
+        return ()
+    if not welcome.feature_layers:
+        return (-1,)
+    parts = welcome.feature_layers.split(",")
+    if len(parts) > MAX_FEATURE_LAYERS or not all(p.isdigit() and len(p) <= 4 for p in parts):
+        raise ValueError(
+            f"feature layers {welcome.feature_layers[:64]!r}: want up to "
+            f"{MAX_FEATURE_LAYERS} comma-separated indices"
+        )
+    taps = tuple(int(p) for p in parts)
+    if len(set(taps)) != len(taps):
+        raise ValueError(f"feature layers {welcome.feature_layers!r} repeat an index")
+    return taps
+
+
 def compatibility_problems(welcome: Welcome, hello: Hello) -> str:
     """What differs between hub and target that makes token ids mean different things ('' if
     nothing). Both sides run it: the hub on HELLO, the target on WELCOME."""
@@ -345,13 +372,26 @@ def compatibility_problems(welcome: Welcome, hello: Hello) -> str:
         problems.append(f"vocab_size differs (hub {welcome.vocab_size}, target {hello.vocab_size})")
     if hello.tokenizer != welcome.tokenizer:
         problems.append(f"tokenizer differs (hub {welcome.tokenizer}, target {hello.tokenizer})")
-    if welcome.feature_width and hello.feature_width != welcome.feature_width:
-        offered = f"width {hello.feature_width}" if hello.feature_width else "none"
-        problems.append(
-            f"the hub drafts with {welcome.draft_kind} and needs target features of "
-            f"width {welcome.feature_width}; the target offers {offered}"
-        )
+    problem = _feature_problem(welcome, hello)
+    if problem:
+        problems.append(problem)
     return "; ".join(problems)
+
+
+def _feature_problem(welcome: Welcome, hello: Hello) -> str:
+    """Why the target cannot send the features the hub drafts from ('' if it can): each
+    hidden state is ``hello.feature_width`` wide, a row holds one per tap."""
+    try:
+        taps = feature_taps(welcome)
+    except ValueError as exc:
+        return str(exc)
+    if taps and hello.feature_width * len(taps) != welcome.feature_width:
+        offered = f"width {hello.feature_width}" if hello.feature_width else "none"
+        return (
+            f"the hub drafts with {welcome.draft_kind} and needs target features of width "
+            f"{welcome.feature_width} ({len(taps)} hidden states); the target offers {offered}"
+        )
+    return ""
 
 
 # --------------------------------------------------------------------------- derived schema

@@ -99,7 +99,7 @@ async def _decode(
     )
     await client.connect()
     backend = TorchBackend(target)
-    seqs = [TargetSequence(backend, p, params, n, collect_features=features) for p in prompts]
+    seqs = [TargetSequence(backend, p, params, n, taps=(-1,) if features else ()) for p in prompts]
     try:
         async with Batcher(backend) as batcher:  # gamma 0: the hub's choice
             await asyncio.gather(*(generate_speculative(client, s, 0, batcher) for s in seqs))

@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import save_file
 
 from starsd import models
+from starsd.hub.drafters.checkpoint import read_target_head
 from starsd.hub.drafters.eagle_head import (
     EagleCache,
     EagleConfig,
     EagleHead,
     load_eagle_head,
     logits_from_features,
-    read_target_head,
     save_eagle_head,
 )
 

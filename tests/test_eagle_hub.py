@@ -139,7 +139,7 @@ def test_in_process_greedy_equals_target_alone(trained_hub: hub_module.Hub) -> N
     backend = TorchBackend(target)
     rounds: list[int] = []
     for prompt in (to_be, to_be[:1], long):  # one token: nothing to extrapolate from at first
-        seq = TargetSequence(backend, prompt, SamplingParams(), 40, collect_features=True)
+        seq = TargetSequence(backend, prompt, SamplingParams(), 40, taps=(-1,))
         rounds += _eagle_rounds(trained_hub, seq, 4)
         ids = torch.tensor([prompt])
         out = target.model.generate(
@@ -187,9 +187,7 @@ def test_sampling_through_eagle_matches_the_target_distribution(
     counts: dict[tuple[int, int], int] = {}
     backend = TorchBackend(llama_target)
     for trial in range(trials):
-        seq = TargetSequence(
-            backend, prompt, SamplingParams(1.0, 20, 1.0, trial), 2, collect_features=True
-        )
+        seq = TargetSequence(backend, prompt, SamplingParams(1.0, 20, 1.0, trial), 2, taps=(-1,))
         _eagle_rounds(quiet_hub, seq, 3)
         key = (seq.generated[0], seq.generated[1])
         counts[key] = counts.get(key, 0) + 1

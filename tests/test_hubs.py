@@ -109,7 +109,8 @@ class _FakeClient:
         aside: bool = False,
     ) -> None:
         self.endpoint, self.load, self.up = name, load, up
-        self.wants_features, self._full, self._aside = features, full, aside
+        self._full, self._aside = full, aside
+        self.needed_taps = (-1,) if features else ()
         self.placed = self.placed_since_report = 0
 
     def full(self) -> bool:
@@ -123,8 +124,8 @@ def _pool(*clients: _FakeClient) -> HubPool:
     return HubPool(list(clients))  # type: ignore[arg-type]
 
 
-def _pick(pool: HubPool, with_features: bool = True) -> str | None:
-    client = pool.pick(with_features)
+def _pick(pool: HubPool, taps: tuple[int, ...] = (-1,)) -> str | None:
+    client = pool.pick(taps)
     if client is None:
         return None
     client.placed_since_report += 1  # as HubClient counts it until the next report
@@ -166,7 +167,7 @@ def test_pick_prefers_the_hub_with_room_and_skips_down_full_aside_and_eagle_hubs
     # a hub set aside after a strike (it sent a proposal the target refused) gets no session
     assert _pick(_pool(_FakeClient("busy", busy), _FakeClient("idle", idle, aside=True))) == "busy"
     eagle = _FakeClient("eagle", idle, features=True)
-    assert _pick(_pool(_FakeClient("busy", busy), eagle), with_features=False) == "busy"
+    assert _pick(_pool(_FakeClient("busy", busy), eagle), taps=()) == "busy"
     assert _pick(_pool(_FakeClient("busy", busy, up=False))) is None
 
 

@@ -76,7 +76,7 @@ def test_a_padded_ragged_batch_equals_transformers_alone(llama_pair: tuple[Path,
         batch.input_ids(feeds),
         batch.feed_positions(),
         PaddedKeyValues(buffers, batch.mask(width)),
-        hidden=True,
+        (-1,),
     )
     nxt = torch.tensor([[1], [2], [3]])
     step, _ = models.forward_batch(

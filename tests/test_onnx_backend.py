@@ -140,7 +140,7 @@ def test_ragged_forward_matches_torch(family: str, exports: dict[str, tuple[Path
         for i, (c, _) in enumerate(rows)
     ]
     feeds = [ids[i][c : c + f] for i, (c, f) in enumerate(rows)]
-    outs = backend.forward(caches, feeds, features=True)
+    outs = backend.forward(caches, feeds, taps=(-1,))
     for i, ((c, f), out) in enumerate(zip(rows, outs, strict=True)):
         cache = models.new_cache(loaded)
         if c:
@@ -186,8 +186,8 @@ def test_profile_limits_split_batches_and_long_feeds(exports: dict[str, tuple[Pa
     limited = OnnxBackend(exports["llama"][1], CPU_ONLY)
     limited.limits, limited.min_past = TrtProfile(max_batch=2, max_feed=3), 1
     prompts = [plain.encode(p) + [3] * k for k, p in enumerate(PROMPTS * 2)]
-    first = plain.forward([SequenceCache() for _ in prompts], prompts, features=True)
-    second = limited.forward([SequenceCache() for _ in prompts], prompts, features=True)
+    first = plain.forward([SequenceCache() for _ in prompts], prompts, taps=(-1,))
+    second = limited.forward([SequenceCache() for _ in prompts], prompts, taps=(-1,))
     for a, b in zip(first, second, strict=True):
         torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.features, b.features, atol=1e-5, rtol=1e-5)

@@ -61,9 +61,9 @@ def test_a_ragged_forward_equals_each_row_alone(backend: TorchBackend) -> None:
     for prompt in PROMPTS:
         (out,) = backend.forward([verifier.SequenceCache()], [prompt])
         caches.append(out.cache)
-    batched = backend.forward(caches, feeds, features=True)
+    batched = backend.forward(caches, feeds, taps=(-1,))
     for cache, feed, row in zip(caches, feeds, batched, strict=True):
-        (alone,) = backend.forward([cache], [feed], features=True)
+        (alone,) = backend.forward([cache], [feed], taps=(-1,))
         assert row.logits.shape == (len(feed), backend.info.vocab_size)
         assert torch.isfinite(row.logits).all()
         torch.testing.assert_close(row.logits, alone.logits, atol=1e-4, rtol=1e-4)
@@ -86,7 +86,7 @@ def test_batched_greedy_rounds_equal_the_target_alone(backend: TorchBackend) -> 
     verified together round after round and must produce exactly the target alone's tokens."""
     n = 20
     refs = [_alone(backend, p, n) for p in PROMPTS]
-    seqs = [TargetSequence(backend, p, GREEDY, n, collect_features=True) for p in PROMPTS]
+    seqs = [TargetSequence(backend, p, GREEDY, n, taps=(-1,)) for p in PROMPTS]
     one_by_one = [TargetSequence(backend, p, GREEDY, n) for p in PROMPTS]
     outcomes: set[int] = set()
     for rnd in range(n):
@@ -128,12 +128,10 @@ def test_batched_steps_equal_the_target_alone(backend: TorchBackend) -> None:
 def test_batched_prefill_keeps_the_features_a_single_prefill_keeps(backend: TorchBackend) -> None:
     """Catches a batched prefill that keeps padding rows as features (an EAGLE hub would
     draft from garbage) or skips a row."""
-    batched = [
-        TargetSequence(backend, p, GREEDY, 4, collect_features=True, prefill=False) for p in PROMPTS
-    ]
+    batched = [TargetSequence(backend, p, GREEDY, 4, taps=(-1,), prefill=False) for p in PROMPTS]
     verifier.prefill_batch(backend, batched)
     for seq, prompt in zip(batched, PROMPTS, strict=True):
-        alone = TargetSequence(backend, prompt, GREEDY, 4, collect_features=True)
+        alone = TargetSequence(backend, prompt, GREEDY, 4, taps=(-1,))
         assert seq.cached == len(prompt) - 1
         torch.testing.assert_close(
             seq.features(0, len(prompt) - 1).astype("float32"),

@@ -33,6 +33,9 @@ class ModelInfo:
     tokenizer_fingerprint: str  # equal iff token ids mean the same text (HELLO checks it)
     eos_token_ids: frozenset[int]
     max_positions: int | None
+    # L when every hidden state 0..L can be tapped (starsd.llama.tapped: EAGLE-3's layers);
+    # 0 when only the last one (-1) can
+    layers: int = 0
 
 
 @dataclass
@@ -40,7 +43,7 @@ class RowOutput:
     """One row's result of a ragged forward."""
 
     logits: torch.Tensor  # [f_i, V] float32: the distribution after each fed token
-    features: torch.Tensor | None  # [f_i, H] (last hidden state) when asked for, else None
+    features: torch.Tensor | None  # [f_i, len(taps) H] the taps asked for, else None
     cache: SequenceCache  # the row's cache extended by its f_i fed positions (a new object)
 
 
@@ -61,9 +64,10 @@ class VerifierBackend(Protocol):
         self,
         caches: Sequence[SequenceCache],
         feeds: Sequence[Sequence[int]],
-        features: bool = False,
+        taps: Sequence[int] = (),
     ) -> list[RowOutput]:
-        """One forward of every row: ``feeds[i]`` (at least one token) after ``caches[i]``.
+        """One forward of every row: ``feeds[i]`` (at least one token) after ``caches[i]``;
+        with ``taps``, each row's hidden states there too (:func:`starsd.llama.tapped`).
 
         The input caches are left as they are (a row's result may share their storage only
         read-only); rows are independent: a row's logits do not depend on the others in the

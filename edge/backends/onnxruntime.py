@@ -321,10 +321,14 @@ class OnnxBackend:
         self,
         caches: Sequence[SequenceCache],
         feeds: Sequence[Sequence[int]],
-        features: bool = False,
+        taps: Sequence[int] = (),
     ) -> list[RowOutput]:
         """One ragged forward (see :class:`edge.backends.base.VerifierBackend`); batches and
-        feeds beyond the TensorRT profile run as several session runs."""
+        feeds beyond the TensorRT profile run as several session runs. The exported graph
+        outputs the last hidden state only: ``taps`` () or (-1,) (``info.layers`` is 0)."""
+        if tuple(taps) not in ((), (-1,)):
+            raise ValueError(f"an ONNX target taps only its last hidden state, not {list(taps)}")
+        features = bool(taps)
         self._check_rows(caches, feeds)
         max_batch = self.limits.max_batch if self.limits else len(feeds)
         max_feed = self.limits.max_feed if self.limits else max(map(len, feeds))

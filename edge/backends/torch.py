@@ -41,6 +41,7 @@ class TorchBackend:
             loaded.tokenizer_fingerprint,
             loaded.eos_token_ids,
             loaded.max_positions,
+            models.layer_count(loaded),
         )
         self.kv_shapes = models.kv_shapes(loaded)  # (kv heads, head dim) per layer
         self.dtype = next(loaded.model.parameters()).dtype
@@ -86,11 +87,11 @@ class TorchBackend:
         self,
         caches: Sequence[SequenceCache],
         feeds: Sequence[Sequence[int]],
-        features: bool = False,
+        taps: Sequence[int] = (),
     ) -> list[RowOutput]:
         """One padded forward of every row; see :meth:`VerifierBackend.forward`."""
         if self.pool is not None:
-            return self._forward_pooled(self.pool, caches, feeds, features)
+            return self._forward_pooled(self.pool, caches, feeds, taps)
         batch = RaggedBatch(tuple(c.length for c in caches), tuple(len(f) for f in feeds), 0)
         buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.loaded.device)
         logits, hidden = models.forward_batch(
@@ -98,8 +99,8 @@ class TorchBackend:
             batch.input_ids(feeds),
             batch.feed_positions(),
             PaddedKeyValues(buffers, batch.mask(batch.capacity)),
-            hidden=features,
-        )  # [B, F, V], [B, F, H] or None
+            taps,
+        )  # [B, F, V], [B, F, len(taps) H] or None
         return [
             RowOutput(logits[row, :fed], _rows(hidden, row, fed), batch.scatter(buffers, row, 0))
             for row, fed in enumerate(batch.fed)
@@ -110,7 +111,7 @@ class TorchBackend:
         pool: KVPool,
         caches: Sequence[SequenceCache],
         feeds: Sequence[Sequence[int]],
-        features: bool,
+        taps: Sequence[int],
     ) -> list[RowOutput]:
         """Every row in its pool slot: the new positions are written after its cached ones (so
         the input caches' positions stay as they are)."""
@@ -118,7 +119,7 @@ class TorchBackend:
         rows = PooledRows(pool, caches, fed)
         layout = RaggedBatch(rows.start, fed, 0)  # for the padded ids and the positions
         logits, hidden = models.forward_batch(
-            self.loaded, layout.input_ids(feeds), layout.feed_positions(), rows, hidden=features
+            self.loaded, layout.input_ids(feeds), layout.feed_positions(), rows, taps
         )
         return [
             RowOutput(logits[row, :f], _rows(hidden, row, f), rows.result(row))
@@ -130,7 +131,7 @@ class TorchBackend:
 
 
 def _rows(hidden: torch.Tensor | None, row: int, fed: int) -> torch.Tensor | None:
-    """Row ``row``'s first ``fed`` feature rows [fed, H] (None when not asked for)."""
+    """Row ``row``'s first ``fed`` feature rows [fed, len(taps) H] (None when not asked for)."""
     return None if hidden is None else hidden[row, :fed]
 
 

@@ -94,6 +94,7 @@ def bench_centralized(
     job carries those the drafter has not seen, exactly as OPEN and DRAFT do over the wire.
     """
     eagle = drafter.feature_width > 0
+    taps = (drafter.feature_layers or (-1,)) if eagle else ()
     tokens = rounds = accepted = 0
     draft_s = verify_s = 0.0
     lat: list[float] = []
@@ -101,7 +102,7 @@ def bench_centralized(
     started = time.perf_counter()
     for prompt in prompts or _encoded(target):
         ids = list(prompt)
-        seq = TargetSequence(backend, ids, SamplingParams(), cfg.max_new_tokens, eagle)
+        seq = TargetSequence(backend, ids, SamplingParams(), cfg.max_new_tokens, taps)
         state = drafter.new_state(ids, SamplingParams(), cfg.gamma)
         job = DraftJob(b"", 0, state, 0, (), features=_features(seq, 0, eagle))
         while not seq.done:

@@ -57,11 +57,13 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
         "--draft-kind",
         default=HubConfig.draft_kind,
         choices=KINDS,
-        help="llm: a draft causal LM (--model); eagle: an EAGLE head (--model) on "
-        "the target's embedding and LM head (--target); null: no model work",
+        help="llm: a draft causal LM (--model); eagle: an EAGLE-1 head (--model) on "
+        "the target's embedding and LM head (--target); eagle3: an EAGLE-3 head (--model, "
+        "EAGLE's or speculators' layout) for --target; null: no model work",
     )
     p.add_argument(
-        "--target", help="eagle: the target model directory (default: the project's default target)"
+        "--target",
+        help="eagle, eagle3: the target model directory (default: the pair's target)",
     )
     p.add_argument(
         "--heartbeat-s",
@@ -124,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     args = p.parse_args(argv)
     pair = args.__dict__.pop("pair")
     args.model = args.model or str(models.PAIRS[pair][1])
-    if args.draft_kind == "eagle" and args.target is None:
+    if args.draft_kind in ("eagle", "eagle3") and args.target is None:
         args.target = str(models.PAIRS[pair][0])
     if args.max_batch < 1:
         p.error(f"--max-batch must be at least 1, got {args.max_batch}")

@@ -36,6 +36,7 @@ def build_hub(config: HubConfig) -> Hub:
         draft_kind=config.draft_kind,
         heartbeat_ms=int(1000 * config.heartbeat_s),
         feature_width=proposer.feature_width,
+        feature_layers=",".join(map(str, proposer.feature_layers)),
     )
     predrafter = predrafter_for(proposer, config)
     if predrafter is not None:  # its branches go to the sessions that ask for them
@@ -62,7 +63,7 @@ def predrafter_for(proposer: Proposer, config: HubConfig) -> Predrafter | None:
 
 def load_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
     """The proposer of ``config.draft_kind`` and the tokenizer it drafts in."""
-    if config.draft_kind == "eagle":
+    if config.draft_kind in ("eagle", "eagle3"):
         return _eagle_proposer(config)
     from starsd.hub.drafters.vocab import load_draft_vocab
 
@@ -94,16 +95,23 @@ def load_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
 
 
 def _eagle_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
-    from starsd.hub.drafters import eagle_head as eagle
+    from starsd.hub.drafters import eagle3_head, eagle_head
     from starsd.hub.drafters.eagle import EagleProposer
 
     target_dir = config.target or str(models.DEFAULT_TARGET_DIR)
-    head = eagle.load_eagle_head(config.model, target_dir, config.dtype, config.device)
+    args = (config.model, target_dir, config.dtype, config.device)
+    head: eagle_head.LoadedEagle | eagle3_head.LoadedEagle3
+    if config.draft_kind == "eagle3":
+        head = eagle3_head.load_eagle3_head(*args)
+    else:
+        head = eagle_head.load_eagle_head(*args)
     info = models.load_tokenizer_info(target_dir)
     log.info(
-        "EAGLE head %s on target %s's embedding and LM head (width %d)",
+        "%s head %s for target %s: features of width %d from its hidden states %s",
+        "EAGLE-3" if config.draft_kind == "eagle3" else "EAGLE",
         config.model,
         info.name,
-        head.config.hidden_size,
+        head.feature_width,
+        list(head.feature_layers) or "[last]",
     )
     return EagleProposer(head, info.max_positions), info

@@ -81,6 +81,8 @@ class Proposer(Protocol[S]):
 
     kind: str  # the --draft-kind name, announced in WELCOME
     feature_width: int  # > 0: drafts from target features, which OPEN and DRAFT must carry
+    # the target hidden states a feature row holds (starsd.llama.tapped): () its last one
+    feature_layers: tuple[int, ...]
     max_positions: int | None  # the draft's context limit, None when unbounded
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> S:

@@ -1,11 +1,16 @@
-"""The EAGLE proposer (``--draft-kind eagle``): chain drafting from the target's own features.
+"""The EAGLE proposer (``--draft-kind eagle`` / ``eagle3``): chain drafting from the target's
+own features, with an EAGLE-1 head (:mod:`~starsd.hub.drafters.eagle_head`) or an EAGLE-3 one
+(:mod:`~starsd.hub.drafters.eagle3_head`).
 
 Per session the hub keeps the committed tokens and the head's KV cache. The cache holds the
 ``real_pairs`` pairs (f_j, x_{j+1}) fed with the target's features f_j (sent with OPEN and every
 DRAFT); the head's chained guesses are drafted in the batch buffer and never kept. The head's
 output at the last real pair is its prediction of the feature of the last committed token, whose
 draft logits give the first draft token. A batch of jobs feeds every session's new real pairs in
-one ragged forward, then chains ``gamma - 1`` batched steps.
+one ragged forward, then chains ``gamma - 1`` batched steps. The two heads differ behind the
+same calls: what a feature row holds (the target's last hidden state, or three of its layers
+that the head fuses), and what the logits range over (an EAGLE-3 head's own, reduced
+vocabulary: drawn in draft ids, proposed and fed back in target ids).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from starsd.batch import LayerBuffer, RaggedBatch, SequenceCache
-from starsd.hub.drafters import eagle_head
+from starsd.hub.drafters import eagle3_head, eagle_head
 from starsd.hub.drafters.base import (
     ChainRow,
     ChainState,
@@ -45,19 +50,22 @@ class EagleRow(ChainRow[EagleState]):
     """A job in a batch: the real pairs its session feeds before drafting."""
 
     ids: list[int] = field(default_factory=list)  # x_{j+1} for each new f_j
-    features: torch.Tensor | None = None  # [n, H] the new f_j, None when n == 0
+    features: torch.Tensor | None = None  # [n, W] the new f_j, None when n == 0
     last_feature: torch.Tensor | None = None  # [H] the head's prediction after the feed
 
 
 class EagleProposer:
-    """Drafts with an EAGLE-1 head on the target's embedding and LM head."""
+    """Drafts with an EAGLE head on the target's embedding (EAGLE-1: and its LM head)."""
 
-    kind = "eagle"
-
-    def __init__(self, head: eagle_head.LoadedEagle, max_positions: int | None) -> None:
+    def __init__(
+        self, head: eagle_head.LoadedEagle | eagle3_head.LoadedEagle3, max_positions: int | None
+    ) -> None:
         self.head = head
+        self.kind = head.kind
         self.max_positions = max_positions
-        self.feature_width = head.config.hidden_size
+        self.feature_width = head.feature_width  # W: one row the target sends
+        self.feature_layers = head.feature_layers
+        self.vocab = head.vocab
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> EagleState:
         """A session's state; the prompt's features come with its first job."""
@@ -81,7 +89,7 @@ class EagleProposer:
         if len(ids) != n:  # the table checks the row count; this guards the invariant
             raise ValueError(f"{n} features for {len(ids)} uncached tokens")
         feats = None if job.features is None else torch.from_numpy(job.features)
-        return EagleRow(job, gamma, ids=ids, features=feats)
+        return EagleRow(job, gamma, vocab=self.vocab, ids=ids, features=feats)
 
     def _draft(self, rows: list[EagleRow]) -> None:
         batch = RaggedBatch(
@@ -95,7 +103,9 @@ class EagleProposer:
         feature = self._feed(batch, rows, buffer)  # [B, H]
         filled = batch.cached_width + batch.fed_width
         for step in range(batch.steps + 1):
-            fed = draw_step(self.head.logits(feature), rows, step)  # [B]
+            fed = draw_step(self.head.logits(feature), rows, step, self.vocab)  # [B]
+            if self.vocab is not None:  # drawn in draft ids, embedded in target ids
+                fed = self.vocab.to_target(fed)
             if step < batch.steps:
                 feature = self.head.forward_batch(
                     fed[:, None],

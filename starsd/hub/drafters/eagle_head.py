@@ -7,7 +7,7 @@ rotary embedding, attention and norm are :mod:`starsd.llama`'s, the ones the dra
 target run; the projections are ``nn.Linear`` modules, so training uses the same forward. This
 module imports no transformers.
 
-Feature semantics (what the target must send):
+Feature semantics (what the target must send: tap -1, :func:`starsd.llama.tapped`):
     The target's feature ``f_i`` at position ``i`` is its LAST hidden state AFTER the final norm,
     i.e. transformers' ``out.hidden_states[-1]`` with ``output_hidden_states=True`` (transformers
     5.x ``capture_outputs`` overwrites ``hidden_states[-1]`` with ``last_hidden_state``, which
@@ -46,20 +46,22 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from starsd.batch import LayerBuffer
-from starsd.llama import attention, default_inv_freq, rms_norm, rotary, rotate_half
+from starsd.hub.drafters.checkpoint import (
+    CONFIG_NAME,
+    SAFETENSORS_NAME,
+    TargetHeadWeights,
+    head_state,
+    read_target_head,
+    rope_theta_of,
+)
+from starsd.hub.drafters.head_layers import MLP, Attention, EagleCache, RMSNorm
 from starsd.models import DTYPES  # one dtype table for every model we load
 
-EMBED_KEY = "model.embed_tokens.weight"
-LM_HEAD_KEY = "lm_head.weight"
 IGNORED_HEAD_KEYS = frozenset({"embed_tokens.weight"})
-SAFETENSORS_NAME = "model.safetensors"
-PYTORCH_NAME = "pytorch_model.bin"
-CONFIG_NAME = "config.json"
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class EagleConfig:
             num_key_value_heads=int(data.get("num_key_value_heads") or heads),
             head_dim=int(head_dim) if head_dim else hidden // heads,
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(data),
+            rope_theta=rope_theta_of(data),
             vocab_size=int(data["vocab_size"]),
             max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
             fc_bias=bool(data.get("bias", True)),
@@ -126,163 +128,6 @@ class EagleConfig:
             "bias": self.fc_bias,
             "tie_word_embeddings": False,
         }
-
-
-def _rope_theta(data: Mapping[str, Any]) -> float:
-    for key in ("rope_parameters", "rope_scaling"):
-        params = data.get(key)
-        if not isinstance(params, Mapping):
-            continue
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in (None, "default"):
-            raise ValueError(f"unsupported rotary scaling {kind!r} in {key}")
-        if "rope_theta" in params:
-            return float(params["rope_theta"])
-    return float(data.get("rope_theta", 10000.0))
-
-
-class EagleCache:
-    """KV cache of one sequence for the head's single layer: k, v are [kv_heads, T, head_dim]."""
-
-    def __init__(self, config: EagleConfig, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (config.num_key_value_heads, 0, config.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # [kv, T, d]
-        self.v = torch.empty(shape, dtype=dtype, device=device)  # [kv, T, d]
-
-    @property
-    def length(self) -> int:
-        """Number of positions (input pairs) held."""
-        return int(self.k.shape[1])
-
-    def crop(self, length: int) -> None:
-        """Keep exactly the first ``length`` positions (an absolute length, not a count to drop).
-
-        Raises:
-            ValueError: if ``length`` is negative or longer than the cache.
-        """
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
-        self.k = self.k[:, :length]
-        self.v = self.v[:, :length]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new keys/values [kv, n, d]; returns the whole cache's (k, v)."""
-        self.k = torch.cat([self.k, k], dim=1)
-        self.v = torch.cat([self.v, v], dim=1)
-        return self.k, self.v
-
-
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm (computed in float32, scaled by a learned weight)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the last dimension of ``x``."""
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    """Llama self-attention with grouped KV heads, no biases, and a KV cache."""
-
-    def __init__(self, config: EagleConfig) -> None:
-        super().__init__()
-        self.config = config
-        hidden, heads, kv, dim = (
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        if heads % kv:
-            raise ValueError(f"{heads} attention heads do not divide into {kv} KV heads")
-        self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv * dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv * dim, bias=False)
-        self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
-        # float32 whatever the head's dtype (a plain attribute: .to(dtype) leaves it alone)
-        self.inv_freq = default_inv_freq(dim, config.rope_theta)
-
-    def qkv(
-        self, x: torch.Tensor, start: int | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q [B, h, n, d] and k, v [B, kv, n, d] of ``x`` [B, n, H] at positions
-        ``start..`` (or at ``start`` itself, per-row positions [B, n])."""
-        c = self.config
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        if isinstance(start, int):
-            positions = torch.arange(start, start + n, device=x.device)[None]  # [1, n]
-        else:
-            positions = start.to(x.device)  # [B, n]: one row per sequence
-        cos, sin = rotary(positions, self.inv_freq.to(x.device), x.dtype)  # [B | 1, 1, n, d]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
-    ) -> torch.Tensor:
-        """Output [B, n, H] of q [B, h, n, d] over k, v [B, kv, T, d] where allowed [n, T]
-        (or [B, 1, n, T]): :func:`starsd.llama.attention`, then the output projection."""
-        b, _, n, _ = q.shape
-        mask = allowed[None, None] if allowed.dim() == 2 else allowed  # [B | 1, 1, n, T]
-        out = attention(q, k, v, mask, self.config.head_dim**-0.5)  # [B, n, h, d]
-        return self.o_proj(out.reshape(b, n, -1))  # [B, n, H]
-
-    def forward(self, x: torch.Tensor, start: int, cache: EagleCache | None) -> torch.Tensor:
-        """Attend ``x`` [B, n, H] at positions ``start..start+n-1`` over the cache and itself.
-
-        A cache (one sequence) needs B == 1.
-        """
-        b, n, _ = x.shape
-        q, k, v = self.qkv(x, start)
-        if cache is not None:
-            if b != 1:
-                raise ValueError(f"a cached forward takes one sequence, got a batch of {b}")
-            whole_k, whole_v = cache.append(k[0], v[0])  # [kv, T, d], T = start + n
-            k, v = whole_k[None], whole_v[None]
-        positions = torch.arange(start, start + n, device=x.device)
-        keys = torch.arange(k.shape[2], device=x.device) + (start + n - k.shape[2])
-        return self.attend(q, k, v, keys[None, :] <= positions[:, None])  # mask [n, T]
-
-    def forward_buffered(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        buffer: LayerBuffer,
-    ) -> torch.Tensor:
-        """Attend a ragged batch ``x`` [B, n, H] at ``positions`` [B, n] over ``buffer``, whose
-        columns are real keys where ``key_mask`` [B, T] is 1 (every column when None; see
-        :mod:`starsd.batch`)."""
-        n = x.shape[1]
-        q, k, v = self.qkv(x, positions)
-        first = buffer.filled
-        keys, values = buffer.append(k, v)  # [B, kv, T, d]
-        columns = torch.arange(keys.shape[2], device=x.device)
-        causal = columns[None, :] <= first + torch.arange(n, device=x.device)[:, None]  # [n, T]
-        if key_mask is None:  # no padding: the causal mask alone
-            return self.attend(q, keys, values, causal)  # mask [n, T]
-        allowed = causal[None, None] & key_mask.to(x.device).bool()[:, None, None, :]
-        return self.attend(q, keys, values, allowed)  # mask [B, 1, n, T]
-
-
-class MLP(nn.Module):
-    """Llama's SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, config: EagleConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP to ``x`` [..., H]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -414,68 +259,6 @@ def logits_from_features(features: torch.Tensor, lm_head: torch.Tensor) -> torch
 
 
 @dataclass(frozen=True)
-class TargetHeadWeights:
-    """The only parts of the target the hub needs: token embedding, LM head and config."""
-
-    embed: torch.Tensor  # [V, H]
-    lm_head: torch.Tensor  # [V, H] (the same tensor as ``embed`` when tied)
-    config: dict[str, Any]
-    tied: bool
-
-    @property
-    def hidden_size(self) -> int:
-        """Width of the target's features."""
-        return int(self.embed.shape[1])
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the LM head (width of the logits)."""
-        return int(self.lm_head.shape[0])
-
-
-def _weight_files(target_dir: Path) -> dict[str, Path]:
-    """Map tensor name -> safetensors file of a (possibly sharded) checkpoint directory."""
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: target_dir / file for name, file in weight_map.items()}
-    single = target_dir / SAFETENSORS_NAME
-    if not single.exists():
-        raise ValueError(f"{target_dir}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(str(single), framework="pt") as handle:
-        return {name: single for name in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
-
-
-def _read_tensor(files: Mapping[str, Path], name: str) -> torch.Tensor:
-    with safe_open(str(files[name]), framework="pt") as handle:
-        return handle.get_tensor(name)
-
-
-def read_target_head(
-    target_dir: str | Path, dtype: str = "float32", device: str = "cpu"
-) -> TargetHeadWeights:
-    """Read the target's token embedding and LM head (tied when the config or file says so).
-
-    Only ``model.embed_tokens.weight`` and ``lm_head.weight`` are read, with ``safe_open``;
-    the rest of the checkpoint is never loaded.
-
-    Raises:
-        ValueError: for an unknown dtype or a checkpoint without an embedding.
-    """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    root = Path(target_dir)
-    config = json.loads((root / CONFIG_NAME).read_text())
-    files = _weight_files(root)
-    if EMBED_KEY not in files:
-        raise ValueError(f"{root}: checkpoint has no {EMBED_KEY}")
-    embed = _read_tensor(files, EMBED_KEY).to(device=device, dtype=DTYPES[dtype])
-    tied = bool(config.get("tie_word_embeddings", False)) or LM_HEAD_KEY not in files
-    lm_head = embed if tied else _read_tensor(files, LM_HEAD_KEY).to(device, DTYPES[dtype])
-    return TargetHeadWeights(embed=embed, lm_head=lm_head, config=config, tied=tied)
-
-
-@dataclass(frozen=True)
 class LoadedEagle:
     """An EAGLE head ready to draft for one target, plus that target's embedding and LM head."""
 
@@ -484,6 +267,14 @@ class LoadedEagle:
     target: TargetHeadWeights
     dtype: torch.dtype
     device: torch.device
+    kind: str = "eagle"
+    vocab: None = None  # drafts over the target's whole vocabulary, through its LM head
+    feature_layers: tuple[int, ...] = ()  # the target's last hidden state
+
+    @property
+    def feature_width(self) -> int:
+        """Width of one feature row the target sends: its last hidden state."""
+        return self.config.hidden_size
 
     def new_cache(self) -> EagleCache:
         """An empty cache for one sequence."""
@@ -525,18 +316,6 @@ class LoadedEagle:
         return logits_from_features(features, self.target.lm_head).float()
 
 
-def _head_state(head_dir: Path) -> dict[str, torch.Tensor]:
-    safetensors_path = head_dir / SAFETENSORS_NAME
-    if safetensors_path.exists():
-        with safe_open(str(safetensors_path), framework="pt") as handle:
-            return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    bin_path = head_dir / PYTORCH_NAME
-    if bin_path.exists():
-        state = torch.load(bin_path, map_location="cpu", weights_only=True)
-        return dict(state)
-    raise ValueError(f"{head_dir}: no {SAFETENSORS_NAME} or {PYTORCH_NAME}")
-
-
 def _check_keys(head: EagleHead, state: Mapping[str, torch.Tensor], where: Path) -> None:
     expected = dict(head.state_dict())
     missing = sorted(set(expected) - set(state))
@@ -566,7 +345,7 @@ def load_eagle_head(
     """
     head_root, target_root = Path(head_dir), Path(target_dir)
     raw = json.loads((head_root / CONFIG_NAME).read_text())
-    state = _head_state(head_root)
+    state = head_state(head_root)
     config = EagleConfig.from_json(raw)
     if "bias" not in raw:
         config = EagleConfig.from_json({**raw, "bias": "fc.bias" in state})

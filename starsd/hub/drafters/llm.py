@@ -60,6 +60,7 @@ class LlmProposer:
 
     kind = "llm"
     feature_width = 0
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, draft: models.LoadedModel, vocab: DraftVocab | None = None) -> None:
         self.draft = draft

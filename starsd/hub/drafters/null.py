@@ -22,6 +22,7 @@ class NullProposer:
 
     kind = "null"
     feature_width = 0
+    feature_layers: tuple[int, ...] = ()
     max_positions: int | None = None
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> ChainState:
