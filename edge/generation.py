@@ -40,8 +40,8 @@ log = logging.getLogger("edge.serve")
 
 
 class ServeConfig(Protocol):
-    """What the server reads of ``edge.target.TargetConfig`` (which it does not import:
-    edge.target imports the server)."""
+    """What the server reads of ``edge.target_config.TargetConfig`` (a protocol: any config with
+    these fields serves, the tests' included)."""
 
     @property
     def concurrency(self) -> int: ...

@@ -61,7 +61,7 @@ FLUSH_S = 2.0  # after the drain: time for the last events to reach their client
 
 
 class ServerConfig(ServeConfig, Protocol):
-    """What the server reads of ``edge.target.TargetConfig`` (see :class:`ServeConfig`)."""
+    """What the server reads of ``edge.target_config.TargetConfig`` (see :class:`ServeConfig`)."""
 
     @property
     def hub(self) -> str: ...

@@ -427,3 +427,36 @@ def test_targets_through_an_eagle3_hub_survive_a_killed_peer_and_a_hub_restart(
         for row in rows:
             assert row["token_ids"] == reference(target_dir, row["prompt"], 160), row["prompt"]
     assert restarted.stop() == 0
+
+
+def test_the_committed_toy_head_drafts_what_the_target_accepts() -> None:
+    """Catches a committed head that loads with the wrong layers, vocabulary or layout (it
+    would accept next to nothing) and a chain that loses its place after a verdict: greedy
+    output equals the target alone, with most drafts accepted."""
+    config = hub_module.HubConfig(
+        model=str(models.TOY_TARGET_DIR.parent / "starsd-eagle3"),
+        draft_kind="eagle3",
+        target=str(models.TOY_TARGET_DIR),
+    )
+    hub = hub_module.build_hub(config)
+    target = models.load_causal_lm(models.TOY_TARGET_DIR)
+    backend = TorchBackend(target)
+    rounds: list[int] = []
+    for text in ("To be, or not to be", "Now is the winter of our discontent made glorious"):
+        prompt = models.encode_text(target, text)
+        seq = TargetSequence(
+            backend, prompt, SamplingParams(), 40, taps=hub.proposer.feature_layers
+        )
+        rounds += _eagle_rounds(hub, seq, 4)
+        ids = torch.tensor([prompt])
+        out = target.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=40,
+            eos_token_id=sorted(target.eos_token_ids),
+            pad_token_id=0,
+        )
+        assert seq.generated == out[0, len(prompt) :].tolist(), text
+    # 2.54 here (greedy: the same every run); a head read with the wrong layers accepts ~0
+    assert sum(rounds) / len(rounds) > 2.0, rounds

@@ -196,6 +196,48 @@ def compare(config: Eagle3TrainConfig, target: models.LoadedModel) -> dict[str, 
     return out
 
 
+def model_card(report: dict[str, Any]) -> str:
+    """The head directory's README: what it is, how it was made, how it compares."""
+    cfg, head = report["config"], report["head_config"]
+    rows = [
+        f"| {name} | "
+        + " | ".join(
+            f"{v['mean_accepted']:.2f} ({v['draft_ms']:.1f} ms)" for v in by_gamma.values()
+        )
+        + " |"
+        for name, by_gamma in report["evaluation"].items()
+    ]
+    gammas = list(next(iter(report["evaluation"].values())))
+    return "\n".join(
+        [
+            f"# {Path(cfg['out_dir']).name}",
+            "",
+            f"An **EAGLE-3 draft head** for `{cfg['target_dir']}`, in vLLM speculators' layout",
+            "(`speculators_model_type: eagle3`): `fc` over the target's hidden states at layers",
+            f"{head['layer_ids']} (transformers' `hidden_states[i]`, side by side), one decoder",
+            "layer over [embedding, hidden state], a final norm and an LM head over "
+            f"{head['draft_vocab_size']} tokens. Load it with",
+            f"`python -m starsd.hub --draft-kind eagle3 --model {cfg['out_dir']} "
+            f"--target {cfg['target_dir']}`.",
+            "",
+            f"Made by `make eagle3-head` ({report['parameters']:,} parameters, float16): the",
+            "EAGLE-1 recipe's data (real windows and the target's own continuations,",
+            f"{report['pool']['tokens']:,} tokens), {cfg['steps']} steps of batch "
+            f"{cfg['batch_size']}, training-time test over {cfg['ttt_steps']} passes (weights",
+            "0.8 ** k), soft cross-entropy to the target; "
+            f"{report['seconds']['train']:.0f} s on 2 cores.",
+            "",
+            "Accepted drafts per round (and the draft's time per round), greedy, held-out prompts,",
+            "each drafter in the hub's own proposer on the target's verifier:",
+            "",
+            "| drafter | " + " | ".join(f"gamma {g}" for g in gammas) + " |",
+            "|---|" + "---|" * len(gammas),
+            *rows,
+            "",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Build the data, train, save, compare; write the JSON report."""
     config = parse_config(Eagle3TrainConfig, __doc__, argv)
@@ -227,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     config.report_path.parent.mkdir(parents=True, exist_ok=True)
     config.report_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (config.out_dir / "README.md").write_text(model_card(report))
     print(json.dumps({k: report[k] for k in ("seconds", "final_losses", "evaluation")}, indent=2))
 
 
