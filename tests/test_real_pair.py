@@ -101,6 +101,7 @@ def test_a_plain_continuation_through_the_hub_equals_the_target_alone(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 600 trials of a 135M target: 3-5 minutes on 2 cores, by the phase
 def test_sampling_through_the_real_draft_keeps_the_targets_law(target: models.LoadedModel) -> None:
     """Chi-square on the joint law of the first two sampled tokens (top-k 4), 600 trials, the
     real draft proposing 3 tokens a round. Catches a rejection step that resamples from p
