@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from test_eagle_hub import _eagle_rounds, _two_token_law
+from test_eagle_hub import _eagle_rounds, _two_token_law, greedy_alone
 
 from edge.backends.torch import TorchBackend
 from edge.client import tap_problem
@@ -334,16 +334,7 @@ def test_greedy_through_the_eagle3_proposer_equals_the_target_alone(
     for prompt in ([5, 17, 33, 8], [9]):
         seq = TargetSequence(backend, prompt, SamplingParams(), 24, taps=LAYERS)
         _eagle_rounds(eagle3_hub, seq, 3)
-        ids = torch.tensor([prompt])
-        out = llama_target.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=24,
-            eos_token_id=sorted(llama_target.eos_token_ids),
-            pad_token_id=0,
-        )
-        assert seq.generated == out[0, len(prompt) :].tolist(), prompt
+        assert seq.generated == greedy_alone(llama_target, prompt, 24), prompt
 
 
 def test_sampling_through_the_eagle3_proposer_matches_the_target_distribution(
@@ -448,15 +439,6 @@ def test_the_committed_toy_head_drafts_what_the_target_accepts() -> None:
             backend, prompt, SamplingParams(), 40, taps=hub.proposer.feature_layers
         )
         rounds += _eagle_rounds(hub, seq, 4)
-        ids = torch.tensor([prompt])
-        out = target.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=40,
-            eos_token_id=sorted(target.eos_token_ids),
-            pad_token_id=0,
-        )
-        assert seq.generated == out[0, len(prompt) :].tolist(), text
+        assert seq.generated == greedy_alone(target, prompt, 40), text
     # 2.54 here (greedy: the same every run); a head read with the wrong layers accepts ~0
     assert sum(rounds) / len(rounds) > 2.0, rounds

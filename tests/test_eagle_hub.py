@@ -116,6 +116,20 @@ def _eagle_rounds(hub: hub_module.Hub, seq: TargetSequence, gamma: int) -> list[
     return accepted_per_round
 
 
+def greedy_alone(target: models.LoadedModel, prompt: list[int], n: int) -> list[int]:
+    """The target alone's ``n`` greedy tokens after ``prompt`` (transformers' generate)."""
+    ids = torch.tensor([prompt])
+    out = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=sorted(target.eos_token_ids),
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.fixture(scope="module")
 def trained_hub() -> hub_module.Hub:
     """The committed default target with its committed, trained EAGLE head."""
@@ -141,16 +155,7 @@ def test_in_process_greedy_equals_target_alone(trained_hub: hub_module.Hub) -> N
     for prompt in (to_be, to_be[:1], long):  # one token: nothing to extrapolate from at first
         seq = TargetSequence(backend, prompt, SamplingParams(), 40, taps=(-1,))
         rounds += _eagle_rounds(trained_hub, seq, 4)
-        ids = torch.tensor([prompt])
-        out = target.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=40,
-            eos_token_id=sorted(target.eos_token_ids),
-            pad_token_id=0,
-        )
-        assert seq.generated == out[0, len(prompt) :].tolist(), prompt
+        assert seq.generated == greedy_alone(target, prompt, 40), prompt
     assert {0, 4} <= set(rounds) and set(rounds) & {1, 2, 3}, rounds
     # 2.97 here; a drafter that keeps its own guesses in the cache gets 1.8, one that chains
     # every guess from the last real feature 2.4 (greedy: the same numbers on every run)

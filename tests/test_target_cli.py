@@ -1,8 +1,8 @@
 """``python -m edge.target`` refuses bad sampling parameters like argparse: exit 2, one line
 naming the option (or the JSONL line and field) and its valid range, before loading any model.
 
-A temperature of 1e-38 once passed validation: the target then re-opened its hub session 64 times
-(every draft failed on NaN probabilities) and exited with a RuntimeError traceback. Each test
+A temperature such as 1e-38 that passed validation would make every draft fail on NaN
+probabilities (the target re-opening its hub session over and over, then a traceback). Each test
 points --model at a directory that does not exist, so loading a model first shows as a failure.
 """
 
