@@ -125,7 +125,7 @@ bench-onnx: $(READY)
 	$(BIN)/python -m scripts.bench.onnx --out results/bench-onnx.json
 
 bench-real: $(READY)
-	$(BIN)/python -m scripts.bench.real $(BENCH_ARGS)
+	$(BIN)/python -m scripts.bench.real $(BENCH_ARGS) $(if $(MODES),--modes $(MODES))
 
 check-gpu: $(READY)
 	$(BIN)/python -m scripts.bench.check_gpu_backends --out results/gpu-backends.json

@@ -92,6 +92,7 @@ class LlamaDecoder:
         kv: KeyValues,
         logits_at: torch.Tensor | None = None,
         taps: Sequence[int] = (),
+        fed: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached forward of a ragged batch.
 
@@ -103,23 +104,33 @@ class LlamaDecoder:
             taps: hidden states to return as features, by transformers' ``hidden_states``
                 index (:func:`tapped`; -1 the last): EAGLE-1 drafts from ``(-1,)``, EAGLE-3
                 from three layers.
+            fed: each row's real feed length (the rest of its F columns is padding), or None
+                (every column computed). With it, the projections, the MLPs and the LM head
+                run on the real positions only (:class:`Packing`).
 
         Returns:
-            logits [B, F, V] (or [B, 1, V] with ``logits_at``), and [B, F, len(taps) H]
-            float32 features (the taps side by side, in order) or None without taps.
+            logits [B, F, V] (or [B, 1, V] with ``logits_at``; zero at padding), and
+            [B, F, len(taps) H] float32 features (the taps side by side, in order) or None
+            without taps.
         """
+        b, f = input_ids.shape
+        packing = Packing(fed, f, input_ids.device)
         taps = [i if i >= 0 else len(self.layers) + 1 + i for i in taps]  # -1: the last
-        x = self.embed[input_ids]  # [B, F, H]
+        x = packing.pack(self.embed[input_ids])  # [N, H]: the real positions only
         cos, sin = rotary(positions, self.inv_freq, self.embed.dtype, self.rope_scale)
         states = {0: x} if 0 in taps else {}
         for index, layer in enumerate(self.layers):
-            x = self._layer(index, layer, x, cos, sin, kv)
+            x = self._layer(index, layer, x, cos, sin, kv, packing)
             if index + 1 in taps:
                 states[index + 1] = x
-        out = rms_norm(x, self.norm, self.shape.eps)  # [B, F, H]
+        out = rms_norm(x, self.norm, self.shape.eps)  # [N, H]
         states[len(self.layers)] = out  # (hidden_states[L] is after the final norm)
-        picked = out if logits_at is None else out[torch.arange(out.shape[0]), logits_at][:, None]
-        return F.linear(picked, self.lm_head).float(), tapped(states, taps)
+        features = tapped(states, taps)
+        features = None if features is None else packing.unpack(features, b)
+        if logits_at is not None:
+            picked = packing.unpack(out, b)[torch.arange(b), logits_at][:, None]  # [B, 1, H]
+            return F.linear(picked, self.lm_head).float(), features
+        return packing.unpack(F.linear(out, self.lm_head).float(), b), features
 
     def _layer(
         self,
@@ -129,22 +140,59 @@ class LlamaDecoder:
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv: KeyValues,
+        packing: Packing,
     ) -> torch.Tensor:
-        """x [B, F, H] -> [B, F, H]: attention and MLP, each with its residual."""
+        """x [N, H] -> [N, H] (the real positions): attention (over the padded [B, F] layout
+        the caches take) and MLP, each with its residual."""
         s = self.shape
-        b, f, _ = x.shape
+        b, f = cos.shape[0], cos.shape[2]
         qkv = F.linear(rms_norm(x, layer.input_norm, s.eps), layer.qkv, layer.qkv_bias)
         q, k, v = (
-            qkv.view(b, f, s.heads + 2 * s.kv_heads, s.head_dim)
+            packing.unpack(qkv, b)
+            .view(b, f, s.heads + 2 * s.kv_heads, s.head_dim)
             .transpose(1, 2)
             .split([s.heads, s.kv_heads, s.kv_heads], dim=1)
         )  # [B, h | kv | kv, F, d]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         attended = kv.attend(index, q, k, v, s.scale).reshape(b, f, s.heads * s.head_dim)
-        x = x + F.linear(attended, layer.o, layer.o_bias)
+        x = x + F.linear(packing.pack(attended), layer.o, layer.o_bias)
         gate, up = F.linear(rms_norm(x, layer.post_norm, s.eps), layer.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, layer.down)
+
+
+class Packing:
+    """The real positions of a padded feed [B, F]: what the position-wise matmuls compute.
+
+    A batch mixing decode steps (1 position) with verifications (gamma + 1) pads every row to
+    the longest; at widths where a CPU computes rather than waits on memory, a step padded to
+    5 positions costs what a verification does (the target's 4 sequences: one step 98 ms, one
+    with a single verify row of 2 positions padded to 8 positions 130 ms). Packed, the
+    projections, the MLPs and the LM head run on the N real rows; attention keeps the padded
+    layout its caches use (padding queries there read zeros and are dropped). Without padding
+    (``fed`` None or every row full) packing is a reshape.
+    """
+
+    def __init__(self, fed: Sequence[int] | None, width: int, device: torch.device) -> None:
+        self.width = width
+        self.index: torch.Tensor | None = None  # flat [B F] indices of the real positions
+        if fed is not None and any(n < width for n in fed):
+            columns = torch.arange(width, device=device)
+            real = columns[None, :] < torch.tensor(list(fed), device=device)[:, None]
+            self.index = real.reshape(-1).nonzero().squeeze(1)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, F, ...] -> [N, ...]: the real positions, row by row."""
+        flat = x.reshape(-1, *x.shape[2:])
+        return flat if self.index is None else flat[self.index]
+
+    def unpack(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """[N, ...] -> [B, F, ...] with zeros at the padding."""
+        if self.index is not None:
+            full = x.new_zeros(rows * self.width, *x.shape[1:])
+            full[self.index] = x
+            x = full
+        return x.view(rows, self.width, *x.shape[1:])
 
 
 def tapped(states: dict[int, torch.Tensor], taps: Sequence[int]) -> torch.Tensor | None:

@@ -260,6 +260,7 @@ def forward_batch(
     kv: KeyValues,
     taps: Sequence[int] = (),
     logits_at: torch.Tensor | None = None,
+    fed: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward of a ragged batch: every batched forward of the hub and the target.
 
@@ -270,6 +271,8 @@ def forward_batch(
             :class:`starsd.kvpool.PooledRows` (every row in its pool slot; a plain Llama only).
         taps: hidden states to return as features (:func:`starsd.llama.tapped`); () none.
         logits_at: [B] the one feed column per row whose logits are wanted; None: all.
+        fed: each row's real feed length; a plain Llama then computes its matmuls on the
+            real positions only (:class:`starsd.llama.Packing`); None: every column.
 
     Returns:
         logits [B, n, V] ([B, 1, V] with ``logits_at``) float32 on CPU, and features
@@ -285,6 +288,7 @@ def forward_batch(
             kv,
             None if logits_at is None else logits_at.to(loaded.device),
             taps,
+            fed,
         )
         return logits.cpu(), None if features is None else features.cpu()
     if not isinstance(kv, PaddedKeyValues):

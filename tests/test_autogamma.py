@@ -316,11 +316,12 @@ def test_held_verdict_and_spans_reach_the_proposer_once_in_order() -> None:
     assert session.state.pacing is not None and session.state.pacing.pending is None
 
 
-def test_a_targets_next_auto_session_starts_from_its_last_one() -> None:
-    """Catches the glue of the learnt prior: a target's new auto session starting from the
-    prior (ignoring what its last session learnt), sharing that session's estimate instead
-    of a copy, another target's session inheriting it, or a fixed session (whose estimate
-    never learns) taking the place of the target's last auto session."""
+def test_a_targets_auto_sessions_share_its_figures() -> None:
+    """Catches the glue of the shared figures: a target's new auto session starting from the
+    prior (ignoring what its other sessions learnt), holding a copy instead of the target's
+    figures (its verdicts then teach the others nothing, and they decide apart), another
+    target's session joining them, or a fixed session (whose estimate never learns) taking
+    the place of the target's figures."""
     rounds = Rounds(Recorder(), GammaPolicy(PolicyParams(max_gamma=8)))
 
     def first_job(owner: bytes, ref: int, gamma: int = 0) -> SessionPacing:
@@ -333,11 +334,11 @@ def test_a_targets_next_auto_session_starts_from_its_last_one() -> None:
     for _ in range(60):
         old.estimate.observe(8, 8)
     inherited, other, fixed = first_job(b"p", 2), first_job(b"q", 3), first_job(b"p", 4, gamma=3)
-    assert inherited.estimate is not old.estimate
-    assert inherited.estimate.alphas() == old.estimate.alphas()
-    assert inherited.estimate.alphas()[0] > 0.9
+    assert inherited.shared is old.shared and inherited.estimate.alphas()[0] > 0.9
+    assert other.shared is not old.shared
     assert other.estimate.alphas()[0] == pytest.approx(0.6)
-    assert fixed.fixed == 3 and rounds.engine.pacer.owners.get(b"p") is inherited
+    assert fixed.fixed == 3 and fixed.shared is not old.shared
+    assert rounds.engine.pacer.owners.get(b"p") is old.shared
 
 
 async def _rounds(

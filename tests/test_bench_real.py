@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from scripts.bench import real_costs
+from scripts.bench import real, real_costs
 from scripts.bench.real import predicted_for, predictions, proposal_bytes
 
 
@@ -84,3 +84,32 @@ def test_each_plotted_mode_gets_the_prediction_of_its_own_load() -> None:
     assert predicted_for(result, "hub-auto-c8") == 1.2
     assert predicted_for(result, "hub-3t") == 1.1
     assert math.isnan(predicted_for(result, "prompt-lookup"))
+
+
+def test_a_subset_of_modes_keeps_its_baselines_and_the_models_inputs() -> None:
+    """Catches ``--modes`` running a batched mode without the standalone run at its concurrency
+    (its ratio would have no baseline) or without the centralized runs the predictions need."""
+    names = [
+        "standalone",
+        "hub-auto",
+        "hub-g1",
+        "standalone-inproc",
+        "central-g1",
+        "central-g2",
+        "standalone-c4",
+        "hub-auto-c4",
+        "standalone-c8",
+        "hub-auto-c8",
+        "standalone-3t",
+        "hub-3t",
+    ]
+    modes = {n: (lambda: {}) for n in names}
+    assert list(real.selected(modes, [])) == names
+    assert list(real.selected(modes, ["hub-auto-c4"])) == [
+        "standalone",
+        "standalone-inproc",
+        "central-g1",
+        "central-g2",
+        "standalone-c4",
+        "hub-auto-c4",
+    ]

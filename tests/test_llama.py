@@ -10,7 +10,7 @@ import torch
 from starsd import models
 from starsd.batch import RaggedBatch, SequenceCache
 from starsd.kvpool import KVPool, PooledRows
-from starsd.llama import PaddedKeyValues
+from starsd.llama import Packing, PaddedKeyValues
 
 SEQS = [[5, 17, 33, 8, 9, 11, 40], [3, 4], [21, 22, 23, 24, 25]]
 SPLIT = [4, 0, 3]  # cached part of each sequence before the batched feed
@@ -59,11 +59,15 @@ def test_stacked_weights_are_shared_with_transformers_and_leave_its_forward_alon
     torch.testing.assert_close(_reference(lean, ids)[0], _reference(plain, ids)[0], atol=0, rtol=0)
 
 
-def test_a_padded_ragged_batch_equals_transformers_alone(llama_pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_padded_ragged_batch_equals_transformers_alone(
+    llama_pair: tuple[Path, Path], packed: bool
+) -> None:
     """Catches wrong RoPE positions, a causal or padding mask read the wrong way, grouped KV
     heads folded into the wrong query rows, and a decode step writing the wrong column: logits
     and features of a ragged batch (cached 4 / 0 / 3, one decode step after) must equal
-    transformers' forward of each sequence alone."""
+    transformers' forward of each sequence alone. Packed (``fed`` given), it also catches real
+    positions packed out of order or unpacked into another row's columns."""
     lean, _ = _pair(llama_pair)
     shapes = models.kv_shapes(lean)
     caches = [_prefilled(lean, seq[:c]) for seq, c in zip(SEQS, SPLIT, strict=True)]
@@ -77,6 +81,10 @@ def test_a_padded_ragged_batch_equals_transformers_alone(llama_pair: tuple[Path,
         batch.feed_positions(),
         PaddedKeyValues(buffers, batch.mask(width)),
         (-1,),
+        fed=batch.fed if packed else None,
+    )
+    assert not packed or all(
+        float(logits[i, len(f) :].abs().sum()) == 0 for i, f in enumerate(feeds)
     )
     nxt = torch.tensor([[1], [2], [3]])
     step, _ = models.forward_batch(
@@ -118,9 +126,11 @@ def test_logits_at_one_column_per_row_are_that_columns_logits(
         )  # (another matmul shape: ulps apart)
 
 
-def test_pooled_rows_equal_transformers_alone(llama_pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_pooled_rows_equal_transformers_alone(llama_pair: tuple[Path, Path], packed: bool) -> None:
     """Catches the pooled path (every row in its slot of one KV tensor) writing keys at the
-    wrong positions, a feed token seeing later feed tokens, or rows seeing each other."""
+    wrong positions, a feed token seeing later feed tokens, or rows seeing each other (packed:
+    the target's path, whose matmuls skip the padding)."""
     lean, _ = _pair(llama_pair)
     (heads, dim), layers = models.kv_shapes(lean)[0], len(models.kv_shapes(lean))
     caches = [_prefilled(lean, seq[:c]) for seq, c in zip(SEQS, SPLIT, strict=True)]
@@ -128,12 +138,31 @@ def test_pooled_rows_equal_transformers_alone(llama_pair: tuple[Path, Path]) -> 
     pool = KVPool((layers, heads, dim), torch.float32, lean.device)
     rows = PooledRows(pool, caches, [len(f) for f in feeds])
     layout = RaggedBatch(rows.start, rows.fed, 0)
-    logits, _ = models.forward_batch(lean, layout.input_ids(feeds), layout.feed_positions(), rows)
+    logits, _ = models.forward_batch(
+        lean,
+        layout.input_ids(feeds),
+        layout.feed_positions(),
+        rows,
+        fed=rows.fed if packed else None,
+    )
     for i, seq in enumerate(SEQS):
         ref_logits, _ = _reference(lean, seq)
         torch.testing.assert_close(
             logits[i, : len(feeds[i])], ref_logits[SPLIT[i] :], atol=1e-5, rtol=1e-4
         )
+
+
+def test_packing_keeps_the_real_positions_in_row_order() -> None:
+    """Catches a packing that keeps padding, drops or reorders real positions, or unpacks
+    them into the wrong columns (the forward's matmuls would mix rows)."""
+    x = torch.arange(12.0).view(3, 4, 1)  # [B 3, F 4, 1]
+    packing = Packing([2, 4, 1], 4, x.device)
+    packed = packing.pack(x)
+    assert packed.squeeze(1).tolist() == [0.0, 1.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    back = packing.unpack(packed, 3).squeeze(2).tolist()
+    assert back == [[0, 1, 0, 0], [4, 5, 6, 7], [8, 0, 0, 0]]
+    full = Packing([4, 4, 4], 4, x.device)
+    assert full.index is None and full.pack(x).shape == (12, 1)
 
 
 def _prefilled(loaded: models.LoadedModel, ids: list[int]) -> SequenceCache:

@@ -402,27 +402,52 @@ def test_the_hubs_common_gamma_is_chosen_while_near_the_best() -> None:
 
 def test_a_new_session_starts_from_its_targets_last_one() -> None:
     """Catches a learnt prior that is ignored (every session of a target starting from the
-    prior 0.6 and a warm-up: sessions of ~46 rounds spent a third of them there), shared
-    instead of copied (a new session's verdicts would rewrite the old one's), or taken for a
-    fixed session; and an owner memory without a bound."""
+    prior 0.6 and a warm-up: sessions of ~46 rounds spent a third of them there), figures
+    copied instead of shared (a target's concurrent sessions then decide apart, mixing alone
+    steps and verifications in its forwards: 0.74x the target alone at --concurrency 4), a
+    fixed session joining them; and an owner memory without a bound."""
     policy = GammaPolicy(PolicyParams(max_gamma=G))
     old = _session(policy, 0.9, 0.020)
-    old.chosen = policy.choose(old, IDLE)
-    new = policy.new_session(None, start=4, like=old)
-    assert new.estimate.alphas() == old.estimate.alphas()
-    assert new.round_trip.coefficients() == old.round_trip.coefficients()
+    old.alone_step = 0.5  # decoding alone is slow: speculation pays
+    old.choose(policy.choose(old, IDLE))
+    new = policy.new_session(None, start=4, like=old.shared)
+    assert new.shared is old.shared
     assert policy.next_round(new, IDLE) == old.chosen >= 8  # no warm-up at start_gamma 4
-    new.estimate.observe(G, 0)
+    new.estimate.observe(G, 0)  # one session's verdict is the target's
     new.round_trip.observe(1, 1.0)
-    assert new.estimate.alphas() != old.estimate.alphas()
-    assert old.round_trip.coefficients() != new.round_trip.coefficients()
-    assert policy.new_session(3, like=old).chosen == 3
+    assert old.estimate.alphas() == new.estimate.alphas()
+    assert old.round_trip.coefficients() == new.round_trip.coefficients()
+    fixed = policy.new_session(3, like=old.shared)
+    assert fixed.chosen == 3 and fixed.shared is not old.shared
     fresh = policy.new_session(None, start=4)
     assert policy.next_round(fresh, IDLE) == 4
     owners = OwnerMemory(limit=2)
     for key in (b"a", b"b", b"a", b"c"):
-        owners.put(key, old)
-    assert owners.get(b"a") is old and owners.get(b"c") is old and owners.get(b"b") is None
+        owners.put(key, old.shared)
+    assert owners.get(b"a") is old.shared and owners.get(b"c") is old.shared
+    assert owners.get(b"b") is None
+
+
+def test_a_targets_sessions_decide_together() -> None:
+    """Catches sessions of one target deciding on their own figures: once the target's T_alone
+    is timed slower than speculation, every one of its sessions drafts, and once acceptance
+    falls, every one decodes alone (none keeps verifying beside the others' steps); and a
+    target whose T_alone is still untimed having only one session decode alone (the others'
+    verifications padding its steps)."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G, warmup_rounds=3))
+    first = policy.new_session(None, start=4)
+    sessions = [first, *(policy.new_session(None, like=first.shared) for _ in range(3))]
+    rng = random.Random(3)
+    for s in sessions[:3]:  # the target's warm-up: three verdicts, from three sessions
+        s.estimate.observe(4, _verdict(rng, [0.9], 4))
+        s.round_trip.observe(4, 0.060)
+    assert [policy.next_round(s, IDLE) for s in sessions] == [0, 0, 0, 0]  # all time T_alone
+    first.alone_step = 0.050
+    (drafting,) = {policy.next_round(s, IDLE) for s in sessions}
+    assert drafting >= 1
+    for _ in range(60):
+        sessions[0].estimate.observe(G, 0)
+    assert [policy.next_round(s, IDLE) for s in sessions] == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize(

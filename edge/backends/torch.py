@@ -100,6 +100,7 @@ class TorchBackend:
             batch.feed_positions(),
             PaddedKeyValues(buffers, batch.mask(batch.capacity)),
             taps,
+            fed=batch.fed,
         )  # [B, F, V], [B, F, len(taps) H] or None
         return [
             RowOutput(logits[row, :fed], _rows(hidden, row, fed), batch.scatter(buffers, row, 0))
@@ -119,7 +120,7 @@ class TorchBackend:
         rows = PooledRows(pool, caches, fed)
         layout = RaggedBatch(rows.start, fed, 0)  # for the padded ids and the positions
         logits, hidden = models.forward_batch(
-            self.loaded, layout.input_ids(feeds), layout.feed_positions(), rows, taps
+            self.loaded, layout.input_ids(feeds), layout.feed_positions(), rows, taps, fed=fed
         )
         return [
             RowOutput(logits[row, :f], _rows(hidden, row, f), rows.result(row))

@@ -274,6 +274,24 @@ def plan(b: Bench, quick: bool) -> dict[str, Mode]:
     return modes
 
 
+# What every result needs whatever ``--modes`` asks for: the baseline, and the centralized
+# loop's costs and acceptance that the model's predictions are made from.
+MODEL_INPUTS = ("standalone", "standalone-inproc")
+MODEL_INPUT_PREFIX = "central-g"
+
+
+def selected(modes: dict[str, Mode], prefixes: Sequence[str]) -> dict[str, Mode]:
+    """The modes whose names start with one of ``prefixes``, their baselines, and the model's
+    inputs (:data:`MODEL_INPUTS`, the centralized runs); every mode when ``prefixes`` is
+    empty."""
+    if not prefixes:
+        return modes
+    asked = [m for m in modes if m.startswith(tuple(prefixes))]
+    baselines = paired_baselines(False)
+    wanted = {*MODEL_INPUTS, *asked, *(baselines[m] for m in asked if m in baselines)}
+    return {m: f for m, f in modes.items() if m in wanted or m.startswith(MODEL_INPUT_PREFIX)}
+
+
 def run_repeats(modes: dict[str, Mode], repeats: int) -> dict[str, list[dict]]:
     """Each mode ``repeats`` times, the order rotated per repeat; progress on stdout."""
     runs: dict[str, list[dict]] = {name: [] for name in modes}
@@ -309,7 +327,7 @@ def paired_baselines(quick: bool) -> dict[str, str]:
 def summarise(runs: dict[str, dict], quick: bool) -> dict[str, Any]:
     """Ratios to the baselines, the model's predictions and the token-for-token checks."""
     base = runs["standalone"]["tokens_per_s"]
-    pairs = paired_baselines(quick)
+    pairs = {m: b for m, b in paired_baselines(quick).items() if m in runs and b in runs}
     ratios = {  # each mode over the target alone at its concurrency (the baselines left out)
         name: r["tokens_per_s"] / base
         for name, r in runs.items()
@@ -365,7 +383,8 @@ def run(args: argparse.Namespace, procs: Processes, work: Path) -> dict[str, Any
     log = work / "hub.log"
     _, endpoint = start_hub(procs, str(DRAFT), log, "--threads", "1", "--stats-interval", "1")
     bench = Bench(endpoint, log, work, tokens)
-    runs = medians(run_repeats(plan(bench, args.quick), repeats))
+    modes = selected(plan(bench, args.quick), args.modes.split(",") if args.modes else [])
+    runs = medians(run_repeats(modes, repeats))
     result = {"max_new_tokens": tokens, "repeats": repeats, **summarise(runs, args.quick)}
     sizes, cost_repeats = ((1,), 2) if args.quick else (COST_SIZES, 6)
     costs = real_costs.measure(bench.target, bench.proposer, sizes, CENTRAL_GAMMAS, cost_repeats)
@@ -385,6 +404,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--modes",
+        default="",
+        help="comma-separated mode-name prefixes to run (e.g. hub-auto-c); their baselines and "
+        "the model's inputs always run; default: every mode",
+    )
     p.add_argument("--out", type=Path, default=REPO / "results" / "bench-real.json")
     args = p.parse_args(argv)
     procs = Processes()

@@ -73,7 +73,7 @@ class Pacer:
         self.clock = clock  # the clock DraftJob.enqueued_at is read on
         self.service = ServiceModel()
         self.meter = LoadMeter(policy.params.loaded_busy)
-        self.owners = OwnerMemory()  # each target's latest auto session: its next starts there
+        self.owners = OwnerMemory()  # each target's shared pacing (its auto sessions')
         self.common = CommonGamma(policy.params.max_gamma)  # what the auto sessions draft
         self.alone_s: float | None = None  # T_alone over the hub's sessions (smoothed)
 
@@ -141,17 +141,16 @@ class Pacer:
 
     def pacing_of(self, job: DraftJob) -> SessionPacing:
         """The session's pacing, made on its first job: a fixed one keeps its gamma; an auto
-        one starts from its target's latest auto session, if any, and is the target's latest
-        from then on."""
+        one shares its target's figures (:class:`~starsd.hub.policy.TargetPacing`) with the
+        target's other auto sessions, made with the target's first."""
         state = job.state
         if state.pacing is None:
             if not job.auto:
                 state.pacing = self.policy.new_session(state.gamma)
             else:
-                state.pacing = self.policy.new_session(
-                    None, start=state.gamma, like=self.owners.get(job.owner)
-                )
-                self.owners.put(job.owner, state.pacing)
+                shared = self.owners.get(job.owner)
+                state.pacing = self.policy.new_session(None, start=state.gamma, like=shared)
+                self.owners.put(job.owner, state.pacing.shared)
         return state.pacing
 
     def _learn(self, job: DraftJob, pacing: SessionPacing, now: float) -> None:

@@ -24,14 +24,16 @@ Terms (per session, times in seconds):
             speculation off only when it clearly does not pay, and the warm-up's span alone
             measures it.
 
-Warm-up: the first ``warmup_rounds`` verdicts come from rounds of the start gamma; then, once
-per target (its later sessions inherit the figure), a span of ``explore_tokens`` alone times
-T_alone. It is measured rather than guessed because no round trip tells it: on a compute-bound
-target a verify of 2 positions costs ~1.7x a step and one of 5 ~2.2x, so R(1) of a fit at one
-gamma (R(4), its slope 0) read 150 ms for a 65 ms step, and speculation at acceptance 0.1
-(0.54x the target alone) looked better than decoding alone. (Warm-up rounds alternating the
-start gamma with 1, to fit R's slope, cost 14% against the best fixed gamma at N = 8 emulated
-targets: two noisy points set a slope that the later rounds, at one gamma, kept.)
+Warm-up: the target's first ``warmup_rounds`` verdicts come from rounds of the start gamma;
+then a span of ``explore_tokens`` alone times T_alone, once per target (until its first span is
+timed, each of its sessions takes one, so the target decodes them alone together; its later
+sessions share the figure). It is measured rather than guessed because no round trip tells
+it: on a compute-bound target a verify of 5 positions costs ~1.8-2.2x a step, so R(1) of a
+fit at one gamma (R(4), its slope 0) read 150 ms for a 65 ms step, and speculation at
+acceptance 0.1 (0.54x the target alone) looked better than decoding alone. (Warm-up rounds
+alternating the start gamma with 1, to fit R's slope, cost 14% against the best fixed gamma at
+N = 8 emulated targets: two noisy points set a slope that the later rounds, at one gamma,
+kept.)
 
 Rule (:meth:`GammaPolicy.choose`), over g in 0..G:
 
@@ -46,8 +48,13 @@ Rule (:meth:`GammaPolicy.choose`), over g in 0..G:
 Then stability: while the best is within ``common_slack`` (10%) of the gamma the hub's auto
 sessions draft most lately (:class:`CommonGamma`), that one is chosen (sessions on one gamma
 come back together and are drafted in one batch), else while it is within ``hysteresis`` (5%)
-of the session's last gamma, that stays. A new auto session starts from its target's last one
-(:class:`OwnerMemory`: estimate, round trip, T_alone), not from the prior.
+of the session's last gamma, that stays.
+
+The figures are per target, not per session: every auto session of one target learns into and
+decides from one :class:`TargetPacing` (estimate, round trip, T_alone, W), live, and a target's
+new session starts from it (:class:`OwnerMemory`), not from the prior. A target verifies its
+sequences in one forward, so its sessions should all draft or all decode alone; on shared
+figures they choose alike.
 
 gamma 0: the target decodes ``alone`` tokens itself, then its DRAFT (accepted 0) carries them;
 after that span the session drafts once more with a small gamma (a probe, to re-estimate), and
@@ -56,7 +63,6 @@ each consecutive span that the probe does not end doubles, up to ``max_alone``.
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -185,22 +191,76 @@ class Pending:
 
 
 @dataclass
-class SessionPacing:
-    """One session's policy state. Made by :class:`starsd.hub.pacing.Pacer` on the session's
-    first job and kept on its draft state (``ChainState.pacing``): the drafting thread's only,
-    like the rest of that state."""
+class TargetPacing:
+    """What the auto sessions of one target learn, together and live: acceptance per position,
+    the round trip outside the hub R(g), T_alone, the queue wait W and the gamma last chosen.
+    Every auto session of the target (by its owner key) reads and updates this one object,
+    and its next session starts from it (:class:`OwnerMemory`).
 
-    fixed: int | None  # a gamma the session keeps (OPEN named it, or --gamma N); None: auto
+    Why shared, not per session: a target batches its sequences into one forward, so what one
+    sequence's round costs depends on what the others do. Sessions deciding apart mixed alone
+    steps and verifications in the target's forwards (every row padded to the longest, and the
+    alone rows waiting for the others' proposals), which made decoding alone look slow and
+    speculation look cheap: one target at ``--concurrency 4`` ran 0.74x the target alone. On
+    shared figures its sessions choose alike, so its forwards are all steps or all
+    verifications, and each figure is measured in the state it predicts. Owned by the drafting
+    thread."""
+
     estimate: AcceptanceEstimate
     round_trip: LinearFit = field(default_factory=lambda: LinearFit(forget=0.9, ridge=0.5))
     alone_step: float | None = None  # measured T_alone (smoothed), None before any span
     wait: float = 0.0  # smoothed W
+    chosen: int = 0  # the gamma its sessions chose last (a new session starts there)
+
+
+@dataclass
+class SessionPacing:
+    """One session's policy state. Made by :class:`starsd.hub.pacing.Pacer` on the session's
+    first job and kept on its draft state (``ChainState.pacing``): the drafting thread's only,
+    like the rest of that state. The estimates live on ``shared`` (its target's, for an auto
+    session; its own, for a fixed one); the session keeps its own round in flight."""
+
+    fixed: int | None  # a gamma the session keeps (OPEN named it, or --gamma N); None: auto
+    shared: TargetPacing
     sent_at: float | None = None  # when it left the drafting thread
     pending: Pending | None = None
     alone_span: int = 16  # tokens of the next span alone
     chosen: int = 0  # the last gamma chosen
     probing: bool = False  # the proposal in flight is the probe after a span alone
-    explored: bool = False  # it (or its target's earlier session) decoded alone to time it
+    explored: bool = False  # it decoded alone to time its target's T_alone
+
+    @property
+    def estimate(self) -> AcceptanceEstimate:
+        """Acceptance per position (the target's, shared)."""
+        return self.shared.estimate
+
+    @property
+    def round_trip(self) -> LinearFit:
+        """R(g), the round trip outside the hub (the target's, shared)."""
+        return self.shared.round_trip
+
+    @property
+    def alone_step(self) -> float | None:
+        """Measured T_alone (the target's, shared), None before any span."""
+        return self.shared.alone_step
+
+    @alone_step.setter
+    def alone_step(self, step: float | None) -> None:
+        self.shared.alone_step = step
+
+    @property
+    def wait(self) -> float:
+        """Smoothed W (the target's, shared)."""
+        return self.shared.wait
+
+    @wait.setter
+    def wait(self, seconds: float) -> None:
+        self.shared.wait = seconds
+
+    def choose(self, gamma: int) -> int:
+        """Record ``gamma`` as this round's choice (the session's and its target's)."""
+        self.chosen = self.shared.chosen = gamma
+        return gamma
 
     def step_alone(self, hub: float | None = None) -> float | None:
         """T_alone: measured, else ``hub`` (the hub's other sessions' lately), else R(0) once
@@ -219,25 +279,23 @@ class SessionPacing:
 
 
 class OwnerMemory:
-    """The latest auto session of each target (by its owner key, a CURVE key or a routing id),
-    for :meth:`GammaPolicy.new_session` to start that target's next session from; at most
-    ``limit`` targets, the least recently seen forgotten first. The session is kept as it is
-    (it goes on learning while it lives), a verdict it held at its close included (a span's
-    tokens, and for EAGLE their feature rows), until its target's next session replaces it or
-    the bound drops it. Owned by the drafting thread."""
+    """The shared pacing of each target (by its owner key, a CURVE key or a routing id) that
+    :meth:`GammaPolicy.new_session` gives its auto sessions; at most ``limit`` targets, the
+    least recently seen forgotten first. A target's entry outlives its sessions, so its next
+    session starts from what the last ones learnt. Owned by the drafting thread."""
 
     def __init__(self, limit: int = 1024) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit
-        self._latest: OrderedDict[bytes, SessionPacing] = OrderedDict()
+        self._latest: OrderedDict[bytes, TargetPacing] = OrderedDict()
 
-    def get(self, owner: bytes) -> SessionPacing | None:
-        """The target's latest auto session, None if none is remembered."""
+    def get(self, owner: bytes) -> TargetPacing | None:
+        """The target's shared pacing, None if none is remembered."""
         return self._latest.get(owner)
 
-    def put(self, owner: bytes, pacing: SessionPacing) -> None:
-        """``pacing`` is the target's latest auto session now."""
+    def put(self, owner: bytes, pacing: TargetPacing) -> None:
+        """``pacing`` is the target's shared pacing (and the target the most recently seen)."""
         self._latest[owner] = pacing
         self._latest.move_to_end(owner)
         while len(self._latest) > self.limit:
@@ -252,38 +310,29 @@ class GammaPolicy:
         self.params = params
 
     def new_session(
-        self, fixed: int | None, start: int | None = None, like: SessionPacing | None = None
+        self, fixed: int | None, start: int | None = None, like: TargetPacing | None = None
     ) -> SessionPacing:
         """A session's state; ``fixed`` None for auto (its first rounds draft ``start``).
 
-        ``like``: an earlier auto session of the same target (:class:`OwnerMemory`). An auto
-        session then starts from copies of its acceptance estimate, round trip fit, T_alone,
-        queue wait and last choice, instead of the prior and a warm-up: a session lasts
-        only a few dozen rounds (128 tokens at alpha 0.7: ~46), and started from the prior
-        (0.6, below the emulated 0.7) and from noisy first verdicts its first ~15 rounds chose
-        gamma 1..16. What it inherits is forgotten like its own old verdicts, so a target whose
-        acceptance changed is followed as fast as within one session.
+        ``like``: its target's shared pacing (:class:`OwnerMemory`). An auto session then
+        learns into it and decides from it, with the target's other sessions (see
+        :class:`TargetPacing`), and starts from its latest choice instead of the prior and a
+        warm-up: a session lasts only a few dozen rounds (128 tokens at alpha 0.7: ~46), and
+        started from the prior (0.6, below the emulated 0.7) and from noisy first verdicts
+        its first ~15 rounds chose gamma 1..16. What it inherits is forgotten like new
+        verdicts, so a target whose acceptance changed is followed as fast as before.
         """
         p = self.params
         if fixed is None and like is not None:
-            return SessionPacing(
-                fixed=None,
-                alone_span=p.alone_tokens,
-                estimate=copy.deepcopy(like.estimate),
-                round_trip=copy.copy(like.round_trip),
-                alone_step=like.alone_step,
-                wait=like.wait,
-                chosen=like.chosen or p.start_gamma,
-                explored=like.explored,
-            )
-        pacing = SessionPacing(
-            fixed=fixed,
-            alone_span=p.alone_tokens,
-            estimate=AcceptanceEstimate(
-                p.max_gamma, p.prior_alpha, p.prior_weight, p.forget, p.shift_z, p.shift_keep
-            ),
+            chosen = like.chosen or p.start_gamma
+            return SessionPacing(fixed=None, shared=like, alone_span=p.alone_tokens, chosen=chosen)
+        estimate = AcceptanceEstimate(
+            p.max_gamma, p.prior_alpha, p.prior_weight, p.forget, p.shift_z, p.shift_keep
         )
-        pacing.chosen = fixed if fixed is not None else (start or p.start_gamma)
+        pacing = SessionPacing(
+            fixed=fixed, shared=TargetPacing(estimate), alone_span=p.alone_tokens
+        )
+        pacing.choose(fixed if fixed is not None else (start or p.start_gamma))
         if fixed == 0:  # --gamma 0: never drafts, so the longest spans cost fewest round trips
             pacing.alone_span = p.max_alone
         return pacing
@@ -297,22 +346,22 @@ class GammaPolicy:
         """
         p = self.params
         if s.fixed is not None:
-            s.chosen = s.fixed
-            return s.chosen
+            return s.choose(s.fixed)
         if load is None or s.estimate.rounds < p.warmup_rounds or not s.round_trip.known:
-            s.chosen = s.chosen or p.start_gamma  # warming up (or no costs measured yet)
-            return s.chosen
+            return s.choose(s.chosen or p.start_gamma)  # warming up (or no costs measured yet)
         if p.explore_tokens and not s.explored and s.alone_step is None and not probe:
-            s.explored, s.alone_span, s.chosen = True, min(p.explore_tokens, p.max_alone), 0
-            return 0  # time T_alone: a guess of it decides whether speculation pays at all
+            # Time T_alone: a guess of it decides whether speculation pays at all. Until the
+            # target's first span is timed, each of its sessions takes one span (so the target
+            # decodes its sequences alone together and the span is timed in that state).
+            s.explored, s.alone_span = True, min(p.explore_tokens, p.max_alone)
+            return s.choose(0)
         g = self.choose(s, load, allow_alone=not probe)
         if probe:
             s.probing = True
         elif s.probing:
             s.probing = False
             s.alone_span = min(2 * s.alone_span, p.max_alone) if g == 0 else p.alone_tokens
-        s.chosen = g
-        return g
+        return s.choose(g)
 
     def choose(self, s: SessionPacing, load: Load, allow_alone: bool = True) -> int:
         """The rule of the module docstring (:func:`starsd.goodput.best_gamma`, which the

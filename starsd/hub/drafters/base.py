@@ -72,7 +72,7 @@ class DraftJob(Generic[S]):
     taken: int = 0
     push: int = 0  # pushed branches per round the session's target takes (Open.push)
     proposed: int = 0  # tokens of the proposal this verdict answers (0: a span alone, or none)
-    owner: bytes = b""  # the session's target (its key): a new auto session learns from its last
+    owner: bytes = b""  # the session's target (its key): its auto sessions share their figures
     auto: bool = False  # the hub chooses this session's gamma every round (--gamma auto)
 
 
