@@ -1,4 +1,5 @@
-"""The ``starsd`` command: key management for CURVE-secured hubs and targets.
+"""The ``starsd`` command: key management for CURVE-secured hubs and targets, cost profiles
+and fleet planning.
 
     starsd keys generate --dir DIR --name NAME [--force]   write NAME.key + NAME.key_secret (0600)
     starsd keys list --dir DIR                            names, public keys, secret present?
@@ -7,6 +8,11 @@
 Also ``python -m starsd.cli keys ...``. The hub gets ``--curve-secret hub.key_secret --allow-dir
 DIR`` (DIR holding the targets' ``.key`` files); a target gets ``--curve-secret NAME.key_secret
 --hub-public-key hub.key``. See SECURITY.md.
+
+    starsd profile draft|target|link|check ...            measure costs into a profile JSON
+    starsd plan --draft D.json --target T.json[:COUNT]    throughput against N, hubs needed
+
+(:mod:`starsd.profile_cli`; docs/planning.md.)
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from starsd import profile_cli
 from starsd.keys import Z85_KEY_LEN, KeyFileError, generate_keypair, list_keys, load_public_key
 
 
@@ -43,7 +50,14 @@ class KeysShow:
     path: Path
 
 
-Command = KeysGenerate | KeysList | KeysShow
+@dataclass(frozen=True)
+class Profiling:
+    """``starsd profile ...`` and ``starsd plan``: their parsed arguments."""
+
+    args: argparse.Namespace
+
+
+Command = KeysGenerate | KeysList | KeysShow | Profiling
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,12 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = actions.add_parser("show", help="print the public key of a key file (never a secret)")
     show.add_argument("path", type=Path, help="a NAME.key or NAME.key_secret file")
+    profile_cli.add_parsers(commands)
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Command:
     """argv -> one frozen command object."""
     ns = build_parser().parse_args(argv)
+    if ns.command in ("profile", "plan"):
+        return Profiling(ns)
     if ns.action == "generate":
         return KeysGenerate(directory=ns.dir, name=ns.name, force=ns.force)
     if ns.action == "list":
@@ -77,7 +94,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Command:
 
 
 def run(cmd: Command) -> int:
-    """Execute a parsed command; returns the exit status (0 ok, 1 refused or failed)."""
+    """Execute a parsed command; returns the exit status (0 ok, 1 refused or failed, 2 a bad
+    profile or plan input)."""
     try:
         match cmd:
             case KeysGenerate():
@@ -86,6 +104,8 @@ def run(cmd: Command) -> int:
                 return _list(cmd)
             case KeysShow():
                 return _show(cmd)
+            case Profiling():
+                return profile_cli.run(cmd.args)
     except (KeyFileError, FileExistsError, OSError) as exc:
         print(f"starsd: error: {exc}", file=sys.stderr)
         return 1
