@@ -16,6 +16,7 @@ import argparse
 import sys
 from typing import Any
 
+from starsd.plan import HUB_MAX_BATCH
 from starsd.profile import ProfileError
 
 DEFAULT_BATCHES = "1,2,4,8,16"
@@ -35,7 +36,12 @@ def int_list(text: str) -> list[int]:
 
 def add_parsers(commands: Any) -> None:
     """Add ``profile`` and ``plan`` to the ``starsd`` subcommands."""
-    profile = commands.add_parser("profile", help="measure S(B, g), T(B), V(B, g) or the link")
+    profile = commands.add_parser(
+        "profile",
+        help="measure S(B, g), T(B), V(B, g) or the link",
+        description="Measure a model's costs on this machine into a profile JSON "
+        "(docs/planning.md). Each cell: median, p10, p90 over --repeats, the order alternated.",
+    )
     kinds = profile.add_subparsers(dest="kind", required=True, metavar="KIND")
     _draft_parser(kinds)
     _target_parser(kinds)
@@ -82,7 +88,11 @@ def _link_parser(kinds: Any) -> None:
 
 def _plan_parser(commands: Any) -> None:
     p = commands.add_parser(
-        "plan", help="throughput against N targets per hub, and the hubs a fleet needs"
+        "plan",
+        help="throughput against N targets per hub, and the hubs a fleet needs",
+        description="The analytic model (starsd.analytic) with its inputs read from profiles, "
+        "gamma chosen by the hub's own rule (starsd.goodput). Hubs needed = ceil(fleet / "
+        "N_hub), N_hub = min(N_full, break-even N) over the target kinds (docs/planning.md).",
     )
     p.add_argument("--draft", required=True, help="a draft profile")
     p.add_argument(
@@ -99,7 +109,7 @@ def _plan_parser(commands: Any) -> None:
     acc.add_argument("--alpha", type=float, default=0.7, help="per-token acceptance rate")
     acc.add_argument("--acceptance", help='a JSON with "alpha", or "mean_accepted" and "gamma"')
     p.add_argument("--max-n", type=int, default=256, help="largest N (targets per hub)")
-    p.add_argument("--max-batch", type=int, default=64, help="the hub's --max-batch M")
+    p.add_argument("--max-batch", type=int, default=HUB_MAX_BATCH, help="the hub's --max-batch M")
     p.add_argument("--gamma", default="auto", help="auto (the hub's rule) or a fixed gamma")
     p.add_argument("--max-gamma", type=int, help="auto's largest gamma (default: measured)")
     p.add_argument("--draft-model", help="check the draft profile was made of this model")

@@ -321,3 +321,21 @@ async def test_profile_link_against_a_hub(running_hub: Any) -> None:
     assert len(rtts) == len(connects) == 3 and all(0 < r < 1 for r in rtts)
     raw = link_profile(running_hub.endpoint, rtts, connects, False, 0.1)
     assert profile.check_profile(raw, "link").seconds("round_trip_ms")[(1, 0)] > 0
+
+
+def test_planner_constants_are_the_hubs() -> None:
+    """The planner's default M and starting gamma are the hub's (catches a hub default changed
+    without the planner, which would then plan another hub)."""
+    from starsd.hub.config import AUTO_START_GAMMA, HubConfig
+
+    assert HubConfig.__dataclass_fields__["max_batch"].default == planning.HUB_MAX_BATCH
+    assert planning.HUB_START_GAMMA == AUTO_START_GAMMA
+
+
+def test_the_starsd_command_stays_light() -> None:
+    """Importing the ``starsd`` command loads neither torch nor the hub (catches a measuring
+    module imported at the top, which would make ``starsd keys`` and ``starsd plan`` slow)."""
+    from test_imports import modules_after_import
+
+    _, loaded = modules_after_import("starsd.cli")
+    assert "torch" not in loaded and not [m for m in loaded if m.startswith(("starsd.hub", "edge"))]
