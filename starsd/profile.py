@@ -87,6 +87,24 @@ class Profile:
         """The gammas measured in ``grid.<field>``, sorted."""
         return sorted({g for _, g in self.seconds(field)})
 
+    def along_gamma(self, field: str, batch: int = 1) -> tuple[tuple[int, float], ...]:
+        """(gamma, seconds) of ``grid.<field>`` at ``batch``, by gamma."""
+        return tuple(sorted((g, s) for (b, g), s in self.seconds(field).items() if b == batch))
+
+
+def interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
+    """Piecewise linear through ``points`` (sorted by x); beyond either end along the two
+    nearest points' line, never below the nearer end's value."""
+    if len(points) == 1:
+        return points[0][1]
+    hi = next((i for i, (px, _) in enumerate(points) if px >= x), len(points) - 1)
+    hi = max(hi, 1)
+    (x0, y0), (x1, y1) = points[hi - 1], points[hi]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    if x > points[-1][0]:
+        return max(y, points[-1][1])
+    return max(y, points[0][1]) if x < points[0][0] else y
+
 
 # ---------------------------------------------------------------------------------- measuring
 

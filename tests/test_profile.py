@@ -339,3 +339,88 @@ def test_the_starsd_command_stays_light() -> None:
 
     _, loaded = modules_after_import("starsd.cli")
     assert "torch" not in loaded and not [m for m in loaded if m.startswith(("starsd.hub", "edge"))]
+
+
+# ---------------------------------------------------------------------------------- replay
+
+
+def test_interpolate_between_and_beyond() -> None:
+    """V(1, g) between and beyond the measured gammas (catches a replay that drops to the first
+    point, or extrapolates below the last one measured)."""
+    pts = ((1, 2.0), (2, 3.0), (4, 7.0))
+    assert profile.interpolate(pts, 3) == pytest.approx(5.0)
+    assert profile.interpolate(pts, 6) == pytest.approx(11.0)
+    assert profile.interpolate(pts, 0) == pytest.approx(2.0)
+    assert profile.interpolate(((1, 4.0), (2, 3.0)), 5) == pytest.approx(3.0)
+
+
+def test_emulated_proposer_takes_the_profiles_time(tmp_path: Path) -> None:
+    """The emulated drafter's call for B jobs of g tokens lasts S(B, g) of its profile (catches a
+    replay that sleeps per job, or at the wrong gamma)."""
+    from starsd.hub.drafters.emulated import EmulatedProposer
+    from starsd.hub.synthetic import FakeSessions
+
+    path = write(tmp_path, "d.json", draft_raw(a_ms=8.0, b_ms=4.0, per_row=0.5))
+    proposer = EmulatedProposer.from_profile(path)
+    sessions = FakeSessions(proposer, 100, gamma=3)
+    pool = sessions.open(4, 8)
+    want = (8.0 + 2 * 4.0) * (1 + 0.5 * 3) / 1e3  # S(4, 3)
+    took = min(sessions.propose(pool) for _ in range(3))
+    assert want <= took < want + 0.03
+    with pytest.raises(ValueError, match="emulated"):
+        from starsd.hub.config import HubConfig
+
+        HubConfig(model="m", draft_kind="emulated")
+
+
+async def test_a_hub_drafts_under_a_profile(tmp_path: Path, llama_pair: tuple[Path, Path]) -> None:
+    """A hub started with --draft-kind emulated answers OPEN with a proposal of the asked gamma,
+    its tokenizer taken from --model without weights (catches an emulated hub that cannot
+    serve a real target)."""
+    import asyncio
+
+    from conftest import RawTarget
+
+    from starsd import hub as hub_module
+    from starsd import models, transport
+
+    path = write(tmp_path, "d.json", draft_raw(a_ms=1.0, b_ms=0.5))
+    config = hub_module.HubConfig(
+        model=str(llama_pair[1]),
+        bind="tcp://127.0.0.1:*",
+        stats_interval=3600,
+        draft_kind="emulated",
+        draft_profile=path,
+    )
+    hub = hub_module.build_hub(config)
+    ctx = transport.new_context()
+    task = asyncio.create_task(hub.serve(ctx))
+    while not hub.endpoint:
+        await asyncio.sleep(0.01)
+    target = RawTarget(hub.endpoint)
+    try:
+        welcome = await target.hello(models.load_causal_lm(llama_pair[0]))
+        assert welcome.draft_kind == "emulated"
+        _, proposal = await target.open()
+        assert len(proposal.tokens) == 4
+    finally:
+        target.close()
+        hub.stop()
+        await asyncio.wait_for(task, 10)
+        ctx.term()
+
+
+def test_emulated_targets_follow_a_target_profile(tmp_path: Path) -> None:
+    """``scripts.emulate.emulated --profile`` verifies at V(1, g) and decodes alone at T(1), and
+    the scale suite passes both profiles on (catches a replay that keeps --verify-ms)."""
+    from scripts.bench import scale
+    from scripts.bench.common import BenchConfig
+    from scripts.emulate import emulated
+
+    path = write(tmp_path, "t.json", target_raw(step_ms=10.0, per_pos=0.1))
+    cfg = emulated.parse_args(["--hub", "tcp://127.0.0.1:1", "--profile", path])
+    assert cfg.verify_s(4) == pytest.approx(10.0 * 1.4 / 1e3)
+    assert cfg.verify_s(3) == pytest.approx(10.0 * 1.3 / 1e3)  # between 2 and 4
+    assert cfg.step_alone_s == pytest.approx(10.0 / 1e3)
+    bench = BenchConfig("scale", "t", "d", draft_profile="D.json", target_profile=path)
+    assert scale.replayed(bench) == ["--draft-kind", "emulated", "--draft-profile", "D.json"]

@@ -42,6 +42,11 @@ class BenchConfig:
     delay_ms: float = 1.0
     rate_mbit: float = 1000.0
     out_dir: str = "results"
+    # scale suite, replayed under profiles (starsd profile): the swept hubs draft with
+    # --draft-kind emulated at this draft profile's S(B, g), the emulated targets verify at this
+    # target profile's V(1, g) and decode alone at its T(1) ("": the real drafter, --verify-ms)
+    draft_profile: str = ""
+    target_profile: str = ""
 
 
 def run_record(mode: str, n: int, **fields: Any) -> dict[str, Any]:

@@ -659,6 +659,16 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         default=list(BenchConfig.scale_ns),
         help="scale suite: emulated targets per step (default up to 256; --quick 128)",
     )
+    p.add_argument(
+        "--draft-profile",
+        default="",
+        help="scale suite: the hubs replay this draft profile's S(B, g) (--draft-kind emulated)",
+    )
+    p.add_argument(
+        "--target-profile",
+        default="",
+        help="scale suite: the emulated targets' verify and alone times follow this profile",
+    )
     p.add_argument("--out-dir", default=BenchConfig.out_dir)
     a = vars(p.parse_args(argv))
     a["scale_ns"] = tuple(a["scale_ns"])

@@ -8,7 +8,10 @@ per hub: N_full (model and measured), the model's largest error, the RSS bound; 
 saturated throughput ratio. The S(B) curves of the draft LLM and the EAGLE head are measured
 first, in process (scripts/bench/service.py), on the same CPU.
 
-Run through ``python -m scripts.bench.run --suite scale`` (``make bench-scale``).
+Run through ``python -m scripts.bench.run --suite scale`` (``make bench-scale``). With
+``--draft-profile D.json`` the swept hubs draft with ``--draft-kind emulated`` at that profile's
+S(B, g), and with ``--target-profile T.json`` the emulated targets verify and decode alone at
+its V(1, g) and T(1): the sweep then replays another machine's costs (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ def _emulators(
             str(i),
             "--out",
             str(out),
+            *(["--profile", cfg.target_profile] if cfg.target_profile else []),
             *extra,
         ]
         running.append((procs.start(args, out.with_suffix(".log"), cpus=cpus), out))
@@ -244,7 +248,7 @@ def suite_hubs(
     (on the hubs' CPU), then the two swept hubs, which differ only in --max-batch, and the
     batched hub under --gamma auto (the gamma comparison's; the fixed gammas run on the swept
     batched hub, which keeps the gamma an OPEN names)."""
-    common = ["--model", cfg.draft, "--max-sessions", "4096", *NO_PREDRAFT]
+    common = ["--model", cfg.draft, "--max-sessions", "4096", *NO_PREDRAFT, *replayed(cfg)]
     null = ["--model", cfg.draft, *NULL_HUB_ARGS]
     return {
         "null": (work / "hub-null.log", null, None),
@@ -263,6 +267,13 @@ def suite_hubs(
             cpus[0],
         ),
     }
+
+
+def replayed(cfg: BenchConfig) -> list[str]:
+    """The swept hubs' drafting under ``cfg.draft_profile``: emulated at its S(B, g)."""
+    if not cfg.draft_profile:
+        return []
+    return ["--draft-kind", "emulated", "--draft-profile", cfg.draft_profile]
 
 
 def max_batches(cfg: BenchConfig) -> dict[str, int]:
@@ -308,7 +319,11 @@ def run_sweep(
 def service_curves(
     cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | None
 ) -> dict[str, Any] | None:
-    """S(B) of the draft LLM and the EAGLE head, in process (scripts/bench/service.py)."""
+    """S(B) of the draft LLM and the EAGLE head, in process (scripts/bench/service.py); None
+    when the hubs replay a draft profile (its S(B, g) is then what they draft at)."""
+    if cfg.draft_profile:
+        print(f"[scale] S(B) from {cfg.draft_profile} (the hubs replay it)", flush=True)
+        return None
     print("[scale] S(B) of the drafters in process (scripts/bench/service.py) ...", flush=True)
     out = work / "service.json"
     args = [

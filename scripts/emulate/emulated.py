@@ -44,11 +44,12 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from edge.client import HubClient, TargetInfo
 from edge.hubs import HubPool, parse_hub_endpoints
 from starsd import protocol, transport
+from starsd.profile import ProfileError, interpolate, load_profile
 from starsd.protocol import Proposal, SamplingParams, Stats
 from starsd.stats import latency_summary
 
@@ -81,6 +82,8 @@ class EmulationConfig:
     alpha_switch: float | None = None  # the acceptance rate once switch_at of the run has passed
     switch_at: float = 0.5  # fraction of the run after the warm-up (window and calibration)
     trace_gamma: bool = False  # record every session's proposal lengths (gamma_trace)
+    profile: str = ""  # a target profile: verify and alone times follow its V(1, g) and T(1)
+    verify_points: tuple[tuple[int, float], ...] = ()  # its (gamma, V(1, gamma) seconds)
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -93,7 +96,10 @@ class EmulationConfig:
         return (self.alone_step_ms or self.verify_ms) / 1e3
 
     def verify_s(self, gamma: int) -> float:
-        """Seconds one verify of ``gamma`` draft tokens takes."""
+        """Seconds one verify of ``gamma`` draft tokens takes (a profile's V(1, gamma),
+        interpolated between its gammas, when given one)."""
+        if self.verify_points:
+            return interpolate(self.verify_points, gamma)
         return (self.verify_ms + self.verify_ms_per_token * gamma) / 1e3
 
     @property
@@ -715,13 +721,30 @@ def parse_args(argv: list[str] | None = None) -> EmulationConfig:
         default=EmulationConfig.tokenizer,
         help="tokenizer fingerprint; with --vocab-size, --model is not read",
     )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="a target profile (starsd profile target): verify of g tokens takes its V(1, g), "
+        "a token decoded alone its T(1) (overrides --verify-ms and --alone-step-ms)",
+    )
     p.add_argument("--out")
     args = p.parse_args(argv)
     try:
         parse_hub_endpoints(args.hub)
-    except ValueError as exc:
-        p.error(f"--hub: {exc}")
-    return EmulationConfig(**vars(args))
+        return with_profile(EmulationConfig(**vars(args)))
+    except ValueError as exc:  # (ProfileError is one)
+        p.error(f"--hub: {exc}" if not isinstance(exc, ProfileError) else str(exc))
+
+
+def with_profile(cfg: EmulationConfig) -> EmulationConfig:
+    """``cfg`` with its target profile's times (unchanged without one): V(1, g) per gamma,
+    T(1) alone, and --verify-ms as V(1, smallest gamma) for the reports."""
+    if not cfg.profile:
+        return cfg
+    target = load_profile(cfg.profile, "target")
+    points = target.along_gamma("verify_ms")
+    step_ms = 1e3 * target.seconds("step_ms")[(1, 0)]
+    return replace(cfg, verify_points=points, alone_step_ms=step_ms, verify_ms=1e3 * points[0][1])
 
 
 def main(argv: list[str] | None = None) -> int:

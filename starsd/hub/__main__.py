@@ -59,7 +59,12 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
         choices=KINDS,
         help="llm: a draft causal LM (--model); eagle: an EAGLE-1 head (--model) on "
         "the target's embedding and LM head (--target); eagle3: an EAGLE-3 head (--model, "
-        "EAGLE's or speculators' layout) for --target; null: no model work",
+        "EAGLE's or speculators' layout) for --target; null: no model work; emulated: no "
+        "model work, each batch taking S(B, g) of --draft-profile (--model: its tokenizer)",
+    )
+    p.add_argument(
+        "--draft-profile",
+        help="emulated: a draft profile (starsd profile draft) whose S(B, g) the hub replays",
     )
     p.add_argument(
         "--target",
@@ -128,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     args.model = args.model or str(models.PAIRS[pair][1])
     if args.draft_kind in ("eagle", "eagle3") and args.target is None:
         args.target = str(models.PAIRS[pair][0])
+    if (args.draft_kind == "emulated") != (args.draft_profile is not None):
+        p.error("--draft-kind emulated and --draft-profile go together")
     if args.max_batch < 1:
         p.error(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.predraft_branches < 0:

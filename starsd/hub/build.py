@@ -65,6 +65,8 @@ def load_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
     """The proposer of ``config.draft_kind`` and the tokenizer it drafts in."""
     if config.draft_kind in ("eagle", "eagle3"):
         return _eagle_proposer(config)
+    if config.draft_kind == "emulated":
+        return _emulated_proposer(config)
     from starsd.hub.drafters.vocab import load_draft_vocab
 
     vocab = load_draft_vocab(config.model)
@@ -115,3 +117,13 @@ def _eagle_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
         list(head.feature_layers) or "[last]",
     )
     return EagleProposer(head, info.max_positions), info
+
+
+def _emulated_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
+    """No weights: the tokenizer of ``config.model`` and the costs of ``config.draft_profile``."""
+    from starsd.hub.drafters.emulated import EmulatedProposer
+
+    assert config.draft_profile is not None  # HubConfig checks it
+    proposer = EmulatedProposer.from_profile(config.draft_profile)
+    log.info("emulated drafting: S(B, g) of %s", config.draft_profile)
+    return proposer, models.load_tokenizer_info(config.model)

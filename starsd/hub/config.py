@@ -30,6 +30,7 @@ class HubConfig:
     stats_interval: float = 10.0
     draft_kind: str = "llm"
     target: str | None = None  # EAGLE: the target's directory (embedding, LM head, tokenizer)
+    draft_profile: str | None = None  # emulated: the draft profile whose S(B, g) it replays
     heartbeat_s: float = 1.0
     drain_timeout_s: float = 5.0
     curve_secret: str | None = None
@@ -46,6 +47,8 @@ class HubConfig:
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        if (self.draft_kind == "emulated") != (self.draft_profile is not None):
+            raise ValueError("draft_kind 'emulated' and draft_profile go together")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.forward not in FORWARDS:
