@@ -15,6 +15,9 @@ drifts up to 3x within minutes), over held-out chat prompts, greedy:
   generation with its defaults and the same draft, given the target's vocabulary in this process
   (``scripts.bench.assisted.in_target_vocabulary``): the single-process peers;
 * at ``--concurrency`` 4 and 8: ``standalone-cN`` and ``hub-auto-cN``;
+* with ``models/smollm2-eagle3`` present (``make real-eagle-heads``), a second hub drafting
+  with that EAGLE-3 head: ``hub-e3-auto``, ``hub-e3-g1``, ``hub-e3-g2``, and the centralized
+  loop with the head, ``central-e3-g1/g2/g4`` (the model's inputs for the head);
 * ``standalone-3t`` and ``hub-3t``: three target processes at once (three prompts each), alone
   or through the one hub; their decode rates summed. On this machine the three and the hub
   share two cores, so this measures contention as much as the star: the prediction beside it
@@ -33,6 +36,7 @@ are the encoded PROPOSAL's size, greedy and sampled (top-k 50: q over the suppor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -58,11 +62,13 @@ from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import Proposer
 
 TARGET, DRAFT = models.PAIRS["smollm2"]
+EAGLE3 = REPO / "models" / "smollm2-eagle3"  # the target's EAGLE-3 head, when it is there
 CENTRAL_GAMMAS = (1, 2, 4)
 CONCURRENCIES = (4, 8)
 COST_SIZES = (1, 3, 4, 8)  # B of the batched costs: one target, three, --concurrency 4 and 8
 MANY_TARGETS = 3
 Mode = Callable[[], dict[str, Any]]
+HUB_ARGS = ("--threads", "1", "--stats-interval", "1")
 
 
 def chat_rows(count: int, first: int = 0) -> list[dict]:
@@ -205,12 +211,18 @@ def proposal_bytes(gamma: int, vocab: int, top_k: int) -> dict[str, int]:
 
 
 def predictions(runs: dict[str, dict], step_s: float) -> dict[str, float]:
-    """Speedups the analytic model predicts for one target, from the centralized costs."""
+    """Speedups the analytic model predicts for one target, from the centralized costs: per
+    drafter (the draft LLM's keys ``g1``.., the EAGLE-3 head's ``e3-g1``..) and its auto."""
     pred = {}
-    for g in CENTRAL_GAMMAS:
-        c = runs[f"central-g{g}"]
-        pred[f"g{g}"] = (1 + c["mean_accepted"]) * step_s / (c["draft_s"] + c["verify_s"])
-    pred["auto"] = max(1.0, *pred.values())
+    for drafter in ("", "e3-"):
+        if f"central-{drafter}g{CENTRAL_GAMMAS[0]}" not in runs:
+            continue
+        for g in CENTRAL_GAMMAS:
+            c = runs[f"central-{drafter}g{g}"]
+            rate = (1 + c["mean_accepted"]) * step_s / (c["draft_s"] + c["verify_s"])
+            pred[f"{drafter}g{g}"] = rate
+        each = [pred[f"{drafter}g{g}"] for g in CENTRAL_GAMMAS]
+        pred[f"{drafter}auto"] = max(1.0, *each)
     return pred
 
 
@@ -226,13 +238,18 @@ class Bench:
     """What every mode needs: the models in this process, the hub's endpoint and log, a
     scratch directory."""
 
-    def __init__(self, endpoint: str, log: Path, work: Path, tokens: int) -> None:
+    def __init__(self, hubs: dict[str, tuple[str, Path]], work: Path, tokens: int) -> None:
         torch.set_num_threads(1)
         self.target = models.load_causal_lm(TARGET)
         self.draft = models.load_causal_lm(DRAFT)
         in_target_vocabulary(self.draft, str(DRAFT))
         self.proposer, _ = load_proposer(HubConfig(model=str(DRAFT), threads=1))
-        self.endpoint, self.log, self.work, self.tokens = endpoint, log, work, tokens
+        self.eagle3: Proposer | None = None
+        if "e3" in hubs:
+            config = HubConfig(model=str(EAGLE3), draft_kind="eagle3", target=str(TARGET))
+            self.eagle3, _ = load_proposer(dataclasses.replace(config, threads=1))
+        self.hubs, self.work, self.tokens = hubs, work, tokens  # drafter -> (endpoint, log)
+        self.endpoint, self.log = hubs["llm"]
 
     def prompts(self, rows: list[dict]) -> list[list[int]]:
         return [models.chat_prompt_ids(self.target, r["messages"]) for r in rows]
@@ -240,9 +257,10 @@ class Bench:
     def cli(self, rows: list[dict], concurrency: int, *extra: str) -> Mode:
         return lambda: run_cli(rows, self.work, self.tokens, concurrency, list(extra))
 
-    def hub(self, rows: list[dict], concurrency: int, *extra: str) -> Mode:
-        mode = self.cli(rows, concurrency, "--hub", self.endpoint, *extra)
-        return with_hub_figures(self.log, mode)
+    def hub(self, rows: list[dict], concurrency: int, *extra: str, drafter: str = "llm") -> Mode:
+        endpoint, log = self.hubs[drafter]
+        mode = self.cli(rows, concurrency, "--hub", endpoint, *extra)
+        return with_hub_figures(log, mode)
 
 
 def plan(b: Bench, quick: bool) -> dict[str, Mode]:
@@ -260,6 +278,8 @@ def plan(b: Bench, quick: bool) -> dict[str, Mode]:
     }
     for g in CENTRAL_GAMMAS:
         modes[f"central-g{g}"] = lambda g=g: central(b.target, b.proposer, prompts, b.tokens, g)
+    if b.eagle3 is not None:
+        modes |= eagle3_modes(b, rows, prompts, b.eagle3)
     if quick:
         return modes
     for n in CONCURRENCIES:
@@ -277,7 +297,7 @@ def plan(b: Bench, quick: bool) -> dict[str, Mode]:
 # What every result needs whatever ``--modes`` asks for: the baseline, and the centralized
 # loop's costs and acceptance that the model's predictions are made from.
 MODEL_INPUTS = ("standalone", "standalone-inproc")
-MODEL_INPUT_PREFIX = "central-g"
+MODEL_INPUT_PREFIX = "central-"
 
 
 def selected(modes: dict[str, Mode], prefixes: Sequence[str]) -> dict[str, Mode]:
@@ -290,6 +310,19 @@ def selected(modes: dict[str, Mode], prefixes: Sequence[str]) -> dict[str, Mode]
     baselines = paired_baselines(False)
     wanted = {*MODEL_INPUTS, *asked, *(baselines[m] for m in asked if m in baselines)}
     return {m: f for m, f in modes.items() if m in wanted or m.startswith(MODEL_INPUT_PREFIX)}
+
+
+def eagle3_modes(
+    b: Bench, rows: list[dict], prompts: list[list[int]], head: Proposer
+) -> dict[str, Mode]:
+    """The same target through an EAGLE-3 hub (auto, gamma 1, 2) and the centralized loop with
+    the head (its acceptance and costs, for the model)."""
+    modes = {"hub-e3-auto": b.hub(rows, 1, drafter="e3")}
+    for g in (1, 2):
+        modes[f"hub-e3-g{g}"] = b.hub(rows, 1, "--gamma", str(g), drafter="e3")
+    for g in CENTRAL_GAMMAS:
+        modes[f"central-e3-g{g}"] = lambda g=g: central(b.target, head, prompts, b.tokens, g)
+    return modes
 
 
 def run_repeats(modes: dict[str, Mode], repeats: int) -> dict[str, list[dict]]:
@@ -345,10 +378,9 @@ def summarise(runs: dict[str, dict], quick: bool) -> dict[str, Any]:
 def predicted_for(result: dict[str, Any], mode: str) -> float:
     """The model's speedup beside ``mode`` (NaN where it has none)."""
     pred, batched = result["predicted"], result.get("predicted_batched", {})
-    if mode.startswith(("hub-g", "central-g")):
-        return pred.get(mode.split("-")[1], float("nan"))
-    if mode == "hub-auto":
-        return pred["auto"]
+    key = mode.removeprefix("hub-").removeprefix("central-")
+    if key in pred:
+        return pred[key]
     if mode.startswith("hub-auto-c"):
         return batched.get(mode.removeprefix("hub-auto-"), {}).get("auto", float("nan"))
     if mode.startswith("hub-") and mode.endswith("t"):
@@ -381,8 +413,11 @@ def run(args: argparse.Namespace, procs: Processes, work: Path) -> dict[str, Any
     """The hub, every mode's repeats, then the batched costs; the result as written."""
     tokens, repeats = (32, 1) if args.quick else (args.max_new_tokens, args.repeats)
     log = work / "hub.log"
-    _, endpoint = start_hub(procs, str(DRAFT), log, "--threads", "1", "--stats-interval", "1")
-    bench = Bench(endpoint, log, work, tokens)
+    hubs = {"llm": (start_hub(procs, str(DRAFT), log, *HUB_ARGS)[1], log)}
+    if EAGLE3.is_dir():  # the EAGLE-3 hub beside the draft LLM's
+        e3_log, e3_args = work / "hub-e3.log", ["--draft-kind", "eagle3", "--target", str(TARGET)]
+        hubs["e3"] = (start_hub(procs, str(EAGLE3), e3_log, *HUB_ARGS, *e3_args)[1], e3_log)
+    bench = Bench(hubs, work, tokens)
     modes = selected(plan(bench, args.quick), args.modes.split(",") if args.modes else [])
     runs = medians(run_repeats(modes, repeats))
     result = {"max_new_tokens": tokens, "repeats": repeats, **summarise(runs, args.quick)}
