@@ -48,30 +48,23 @@ def measure_target(
     progress: Progress = stderr_progress,
 ) -> dict[str, Any]:
     """A target profile's JSON object: T(B) and V(B, g) of ``model_dir`` on ``device``."""
-    import torch
-
     from edge.backends.torch import TorchBackend
 
     began = time.perf_counter()
     backend = TorchBackend.load(model_dir, device, dtype)
-    widths = [1, *(g + 1 for g in gammas)]
-    cells = [(b, w) for w in widths for b in batches]
+    cells = [(b, w) for w in [1, *(g + 1 for g in gammas)] for b in batches]
     times = _time_forwards(backend, cells, repeats, context, progress)
     grid = {
-        "step_ms": [{"batch": b, **profile.summary(times[(b, 1)])} for b in batches],
+        "step_ms": [{"batch": b, **profile.summary(times[b, 1])} for b in batches],
         "verify_ms": [
-            {"batch": b, "gamma": g, **profile.summary(times[(b, g + 1)])}
+            {"batch": b, "gamma": g, **profile.summary(times[b, g + 1])}
             for g in gammas
             for b in batches
         ],
     }
-    device_name = torch.cuda.get_device_name() if device.startswith("cuda") else ""
-    machine = profile.machine_info(device, dtype, device_name, torch.get_num_threads())
-    model: dict[str, Any] = {"name": backend.info.name, "path": model_dir}
-    model["fingerprint"] = profile.model_fingerprint(model_dir)
-    settings = {"context_tokens": context, "repeats": repeats, "order": "alternated"}
-    wall = round(time.perf_counter() - began, 2)
-    return profile.new_profile("target", model, machine, grid, settings=settings, wall_s=wall)
+    model = {"name": backend.info.name, "path": model_dir}
+    extra = profile.settings(repeats, context, began)
+    return profile.measured_profile("target", model, device, dtype, grid, **extra)
 
 
 def _time_forwards(

@@ -143,12 +143,20 @@ def alpha_from_file(path: str | Path) -> float:
     if "alpha" in raw:
         alpha = raw["alpha"]
     elif "mean_accepted" in raw and "gamma" in raw:
-        alpha = analytic.alpha_from_mean_accepted(float(raw["mean_accepted"]), int(raw["gamma"]))
+        alpha = _inverted(raw["mean_accepted"], raw["gamma"], where)
     else:
         raise ProfileError(f"{where}: alpha: missing (or mean_accepted with gamma)")
     if not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
         raise ProfileError(f"{where}: alpha: {alpha!r} is not in [0, 1]")
     return float(alpha)
+
+
+def _inverted(mean_accepted: Any, gamma: Any, where: str) -> float:
+    """Alpha from accepted drafts per round at ``gamma`` (ProfileError if not numbers)."""
+    ok = isinstance(mean_accepted, int | float) and isinstance(gamma, int) and gamma >= 1
+    if not ok or not 0 <= mean_accepted <= gamma:
+        raise ProfileError(f"{where}: mean_accepted: {mean_accepted!r} at gamma {gamma!r}")
+    return analytic.alpha_from_mean_accepted(float(mean_accepted), gamma)
 
 
 def batch_note(curve: ServiceCurve, max_batch: int, max_n: int) -> str | None:

@@ -176,7 +176,11 @@ def plot(p: planning.Plan, ns: Sequence[int], path: str) -> None:
         left.plot(xs, [r["per_target_tokens_per_s"] for r in mine], "o-", label=k.profile.name)
         left.axhline(k.alone_tokens_per_s, ls=":", c="grey")
         right.plot(xs, [r["system_tokens_per_s"] for r in mine], "o-", label=k.profile.name)
-    right.axvline(planning.sizing(p)["n_full"], ls="--", c="red", label="N_full")
+    sizing = planning.sizing(p)
+    if sizing["n_full"] is not None:
+        right.axvline(sizing["n_full"], ls="--", c="red", label="N_full")
+    if sizing["targets_per_hub"]:
+        right.axvline(sizing["targets_per_hub"], ls=":", c="black", label="N_hub")
     left.set(xscale="log", xlabel="targets per hub N", ylabel="tok/s", title="per target")
     right.set(xscale="log", xlabel="targets per hub N", ylabel="tok/s", title="system")
     left.legend()

@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -220,6 +221,28 @@ def new_profile(kind: str, model: dict[str, Any], machine: dict, grid: dict, **e
     }
 
 
+def measured_profile(
+    kind: str, model: dict[str, Any], device: str, dtype: str, grid: dict, **extra: Any
+) -> dict[str, Any]:
+    """A profile measured here of the model in ``model["path"]`` (fingerprinted) with torch on
+    ``device`` (imported: it is loaded already wherever a model was timed)."""
+    import torch
+
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else ""
+    machine = machine_info(device, dtype, name, torch.get_num_threads())
+    model = {**model, "fingerprint": model_fingerprint(model["path"])}
+    return new_profile(kind, model, machine, grid, **extra)
+
+
+def settings(repeats: int, context: int, began: float) -> dict[str, Any]:
+    """The ``settings`` and ``wall_s`` of a profile timed since ``began`` (perf_counter)."""
+    wall = round(time.perf_counter() - began, 2)
+    return {
+        "settings": {"context_tokens": context, "repeats": repeats, "order": "alternated"},
+        "wall_s": wall,
+    }
+
+
 def write_profile(raw: dict[str, Any], path: str | Path) -> Path:
     """Write ``raw`` as indented JSON (validated first: a bad measurement never lands)."""
     out = Path(path)
@@ -287,7 +310,7 @@ def check_profile(raw: Any, where: str) -> Profile:
 def check_fingerprint(profile: Profile, model_dir: str | Path) -> None:
     """ProfileError unless ``profile`` was made of the model in ``model_dir``."""
     want = model_fingerprint(model_dir)["id"]
-    have = profile.raw["model"].get("fingerprint", {}).get("id")
+    have = (profile.raw["model"].get("fingerprint") or {}).get("id")
     if have != want:
         raise ProfileError(
             f"{profile.path}: model.fingerprint.id: {have} is not {model_dir}'s ({want}): "
@@ -319,22 +342,24 @@ def _choice(raw: dict[str, Any], where: str, name: str, choices: Sequence[str]) 
 def _check_grid(grid: dict[str, Any], where: str, name: str, per_gamma: bool) -> None:
     """Every cell positive and finite, and every batch measured at every gamma."""
     cells = _field(grid, f"{where}: grid", name)
-    cells = cells if isinstance(cells, list) else [cells]
+    listed = isinstance(cells, list)  # a grid of cells per batch (a link's is one cell)
+    cells = cells if listed else [cells]
     if not cells:
         raise ProfileError(f"{where}: grid.{name}: empty")
     keys = [
-        _check_cell(cell, f"{where}: grid.{name}[{i}]", per_gamma) for i, cell in enumerate(cells)
+        _check_cell(cell, f"{where}: grid.{name}[{i}]", per_gamma, listed)
+        for i, cell in enumerate(cells)
     ]
     _check_rectangular(keys, f"{where}: grid.{name}")
 
 
-def _check_cell(cell: Any, where: str, per_gamma: bool) -> tuple[int, int]:
+def _check_cell(cell: Any, where: str, per_gamma: bool, listed: bool) -> tuple[int, int]:
     if not isinstance(cell, dict):
         raise ProfileError(f"{where}: must be a JSON object")
     for name in ("median_ms", "p10_ms", "p90_ms"):
         if name in cell or name == "median_ms":
             _positive_time(_field(cell, where, name), f"{where}.{name}")
-    batch = _count(cell.get("batch", 1), f"{where}.batch")
+    batch = _count(_field(cell, where, "batch"), f"{where}.batch") if listed else 1
     gamma = _count(_field(cell, where, "gamma"), f"{where}.gamma") if per_gamma else 0
     return batch, gamma
 

@@ -113,6 +113,7 @@ BAD = [
     ("grid.service_ms.3.median_ms", "DELETE", "grid.service_ms[3]: median_ms"),
     ("grid.service_ms.5", "DELETE", "grid.service_ms: batch 2 lacks gamma [2]"),
     ("grid.service_ms.2.batch", 0, "grid.service_ms[2].batch"),
+    ("grid.service_ms.2.batch", "DELETE", "grid.service_ms[2]: batch"),
 ]
 
 
@@ -165,6 +166,21 @@ def test_fingerprint_mismatch(tmp_path: Path, llama_pair: tuple[Path, Path]) -> 
         profile.check_fingerprint(loaded, target_dir)
     fp = profile.model_fingerprint(target_dir)
     assert fp["parameters"] and fp["parameters"] > raw["model"]["fingerprint"]["parameters"]
+    published = REPO / "profiles/published-h100-llama31-8b-target.json"
+    with pytest.raises(ProfileError, match=r"model\.fingerprint\.id: None"):
+        profile.check_fingerprint(profile.load_profile(published), target_dir)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [{"alpha": 1.5}, {"mean_accepted": "x", "gamma": 4}, {"mean_accepted": 5, "gamma": 4}, {}],
+)
+def test_bad_acceptance_file(tmp_path: Path, content: dict[str, Any]) -> None:
+    """An acceptance file without a usable alpha is refused naming it (catches a traceback, or
+    an alpha outside [0, 1] planned with)."""
+    path = write(tmp_path, "acc.json", content)
+    with pytest.raises(ProfileError, match=r"acc\.json: (alpha|mean_accepted)"):
+        planning.alpha_from_file(path)
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -254,6 +270,18 @@ def test_mixed_fleet(tmp_path: Path) -> None:
     s = planning.sizing(plan)
     tightest = min(min(k["n_full"] or 10**9, k["break_even_n"]) for k in s["kinds"].values())
     assert s["targets_per_hub"] == tightest and s["hubs"] == math.ceil(40 / tightest)
+    plan_report.plot(plan, [1, 8, 64], str(tmp_path / "plan.png"))
+    assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+def test_plot_without_a_saturation_point(tmp_path: Path) -> None:
+    """A plan whose hub never fills (speculation turns off first) still plots (catches a
+    vertical N_full line drawn at None)."""
+    slow_hub = write(tmp_path, "d.json", draft_raw(a_ms=30.0, b_ms=30.0))
+    target = write(tmp_path, "t.json", target_raw())
+    plan = plan_report.build_plan(plan_report.PlanRequest(slow_hub, (target,)))
+    assert planning.sizing(plan)["n_full"] is None
+    plan_report.plot(plan, [1, 2], str(tmp_path / "plan.png"))
 
 
 def test_gaps_are_said_and_a_missing_gamma_refused(tmp_path: Path) -> None:

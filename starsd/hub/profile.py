@@ -38,32 +38,19 @@ def measure_draft(
     progress: Progress = stderr_progress,
 ) -> dict[str, Any]:
     """A draft profile's JSON object for ``config``'s drafter (its model, kind, device, dtype)."""
-    import torch
-
     began = time.perf_counter()
     proposer, info = load_proposer(config)
-    sync = _synchronizer(config.device)
     cells = [(b, g) for g in gammas for b in batches]
     pools = _pools(proposer, info.vocab_size, cells, context)
-    times = _time_cells(pools, cells, repeats, sync, progress)
+    times = _time_cells(pools, cells, repeats, _synchronizer(config.device), progress)
     grid = {
-        "service_ms": [{"batch": b, "gamma": g, **profile.summary(times[(b, g)])} for b, g in cells]
+        "service_ms": [{"batch": b, "gamma": g, **profile.summary(times[b, g])} for b, g in cells]
     }
-    device_name = torch.cuda.get_device_name() if config.device.startswith("cuda") else ""
-    machine = profile.machine_info(
-        config.device, config.dtype, device_name, torch.get_num_threads()
-    )
-    model: dict[str, Any] = {
-        "name": info.name,
-        "path": config.model,
-        "draft_kind": config.draft_kind,
-    }
-    model["fingerprint"] = profile.model_fingerprint(config.model)
+    model = {"name": info.name, "path": config.model, "draft_kind": config.draft_kind}
     if config.target:
         model["target"] = config.target
-    settings = {"context_tokens": context, "repeats": repeats, "order": "alternated"}
-    wall = round(time.perf_counter() - began, 2)
-    return profile.new_profile("draft", model, machine, grid, settings=settings, wall_s=wall)
+    extra = profile.settings(repeats, context, began)
+    return profile.measured_profile("draft", model, config.device, config.dtype, grid, **extra)
 
 
 def _synchronizer(device: str) -> Callable[[], None]:
