@@ -228,7 +228,7 @@ def measured_profile(
     ``device`` (imported: it is loaded already wherever a model was timed)."""
     import torch
 
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else ""
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     machine = machine_info(device, dtype, name, torch.get_num_threads())
     model = {**model, "fingerprint": model_fingerprint(model["path"])}
     return new_profile(kind, model, machine, grid, **extra)

@@ -61,7 +61,9 @@ def _grid_args(p: argparse.ArgumentParser, repeats: int) -> None:
     p.add_argument("--repeats", type=int, default=repeats, help="timed passes over the grid")
     p.add_argument("--context", type=int, default=128, help="cached context tokens per row")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the hub's default 1)")
-    p.add_argument("--out", required=True, help="the profile JSON to write")
+    p.add_argument(
+        "--out", help="the profile JSON to write (default: profiles/KIND-MODEL-DEVICE.json)"
+    )
 
 
 def _draft_parser(kinds: Any) -> None:
@@ -83,7 +85,7 @@ def _link_parser(kinds: Any) -> None:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a PONG")
     p.add_argument("--curve-secret", help="this target's NAME.key_secret (CURVE hubs)")
     p.add_argument("--hub-public-key", help="the hub's hub.key (CURVE hubs)")
-    p.add_argument("--out", required=True, help="the profile JSON to write")
+    p.add_argument("--out", help="the profile JSON to write (default: profiles/link-HOST.json)")
 
 
 def _plan_parser(commands: Any) -> None:
@@ -143,7 +145,7 @@ def _draft(ns: argparse.Namespace) -> int:
         model=ns.model, device=ns.device, dtype=ns.dtype, draft_kind=ns.draft_kind, target=ns.target
     )
     raw = measure_draft(config, ns.batch, ns.gammas, ns.repeats, ns.context)
-    return _written(write_profile(raw, ns.out), raw)
+    return _written(write_profile(raw, ns.out or default_out(raw)), raw)
 
 
 def _target(ns: argparse.Namespace) -> int:
@@ -154,7 +156,7 @@ def _target(ns: argparse.Namespace) -> int:
 
     torch.set_num_threads(ns.threads)
     raw = measure_target(ns.model, ns.device, ns.dtype, ns.batch, ns.gammas, ns.repeats, ns.context)
-    return _written(write_profile(raw, ns.out), raw)
+    return _written(write_profile(raw, ns.out or default_out(raw)), raw)
 
 
 def _link(ns: argparse.Namespace) -> int:
@@ -167,7 +169,17 @@ def _link(ns: argparse.Namespace) -> int:
     except (ValueError, TimeoutError, OSError) as exc:
         print(f"starsd: error: {ns.hub}: {exc}", file=sys.stderr)
         return 1
-    return _written(write_profile(raw, ns.out), raw)
+    return _written(write_profile(raw, ns.out or default_out(raw)), raw)
+
+
+def default_out(raw: dict[str, Any]) -> str:
+    """profiles/KIND-MODEL-DEVICE.json (a link: profiles/link-HOST_PORT.json)."""
+    if raw["kind"] == "link":
+        where = raw["model"]["endpoint"].split("://")[-1]
+    else:
+        where = f"{raw['model']['name']}-{raw['machine']['device']}"
+    safe = "".join(c if c.isalnum() or c in "-." else "_" for c in where)
+    return f"profiles/{raw['kind']}-{safe}.json"
 
 
 def _written(path: Any, raw: dict[str, Any]) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from starsd import analytic, cli, goodput, plan_report, profile
+from starsd import analytic, cli, goodput, plan_report, profile, profile_cli
 from starsd import plan as planning
 from starsd.profile import ProfileError
 from starsd.service import ServiceCurve
@@ -338,6 +338,8 @@ def test_profile_draft_and_target_on_tiny_models(
     assert cli.main(["profile", "check", d, "--model", str(target_dir)]) == 2
     assert cli.main(["plan", "--draft", d, "--target", t, "--max-n", "4"]) == 0
     assert "| 4 |" in capsys.readouterr().out
+    raw = profile.load_profile(t).raw
+    assert profile_cli.default_out(raw) == f"profiles/target-{target_dir.name}-cpu.json"
 
 
 async def test_profile_link_against_a_hub(running_hub: Any) -> None:
