@@ -508,11 +508,12 @@ def _hits(rounds: Rounds) -> int:
     return peer.stats.predraft_hits
 
 
-def test_a_probes_round_trip_teaches_acceptance_but_not_the_round_trip() -> None:
-    """Catches probes feeding R(g): a probe's verification rides in a forward of the target's
-    other sequences' steps, far cheaper than a round in which they all draft, so its short
-    round trip made drafting look ahead and switched every session of a batching target back
-    and forth (one target at --concurrency 4: 113 rounds at 0.33 accepted, 0.83x alone)."""
+def test_a_probes_round_trip_at_a_batching_target_teaches_acceptance_only() -> None:
+    """Catches probes feeding R(g) at a target with other sessions open: a probe's
+    verification rides in a forward of the others' steps, far cheaper than a round in which
+    they all draft, so its short round trip made drafting look ahead and switched every session
+    of a batching target back and forth (--concurrency 4: 113 rounds at 0.33 accepted, 0.83x
+    alone); and a lone session's probe left out (its round trip is a plain round's)."""
     pacer = Pacer(GammaPolicy(PolicyParams(max_gamma=8)), None)
     state = new_chain_state(list(PROMPT), SamplingParams(), 4)
 
@@ -521,8 +522,13 @@ def test_a_probes_round_trip_teaches_acceptance_but_not_the_round_trip() -> None
 
     pacing = pacer.pacing_of(verdict(0.0))
     pacing.probing, pacing.sent_at = True, 0.0
-    pacer._learn(verdict(0.010), pacing, 0.010)
-    assert pacing.estimate.rounds == 1 and not pacing.round_trip.known
+    pacer._learn(verdict(0.010), pacing, 0.010)  # alone at its target: a plain round
+    assert pacing.estimate.rounds == 1 and pacing.round_trip.w == pytest.approx(1.0)
+    sibling = pacer.policy.new_session(None, like=pacing.shared)
+    pacer._learn(verdict(0.010), pacing, 0.010)  # beside a sibling: acceptance only
+    assert pacing.estimate.rounds == 2 and pacing.round_trip.w == pytest.approx(1.0)
     pacing.probing = False
     pacer._learn(verdict(0.010), pacing, 0.010)
-    assert pacing.estimate.rounds == 2 and pacing.round_trip.w > 0
+    assert pacing.estimate.rounds == 3 and pacing.round_trip.w > 1.0
+    del sibling
+    assert not pacing.shared.batched(pacing)

@@ -510,5 +510,5 @@ def test_the_span_alone_that_times_t_alone_is_taken_once_per_target() -> None:
     gammas = _rounds_with_spans(policy, s, 60, 0.9, lambda g: 0.020, 0.020, seed=1)
     assert gammas.count(0) == 1 and gammas[3] == 0 and s.alone_span == 16
     assert statistics.median(gammas[4:]) >= 8  # and speculation goes on
-    later = policy.new_session(None, start=4, like=s)
+    later = policy.new_session(None, start=4, like=s.shared)
     assert policy.next_round(later, IDLE) >= 8  # inherited: no warm-up, no second span

@@ -171,11 +171,13 @@ class Pacer:
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.
         if pacing.fixed is None and job.proposed >= 1 and len(job.appended) == 1:
             pacing.estimate.observe(job.proposed, min(job.accepted, job.proposed))
-            # A probe's round trip is left out of R(g): R predicts a round while the target's
-            # sessions all draft, and a probe's verification rides in a forward of the others'
-            # steps at a fraction of that (one target at --concurrency 4: the probes' R(1) made
-            # drafting look 15% ahead, every session switched, and each switch back cost).
-            if since is not None and since > 0 and not pacing.probing:
+            # At a target with other sessions open a probe's round trip is left out of R(g): R
+            # predicts a round while the target's sessions all draft, and a probe's
+            # verification rides in a forward of the others' steps at a fraction of that (one
+            # target at --concurrency 4: the probes' R(1) made drafting look 15% ahead, every
+            # session switched, and each switch back cost). Alone, a probe is a plain round.
+            probe_in_batch = pacing.probing and pacing.shared.batched(pacing)
+            if since is not None and since > 0 and not probe_in_batch:
                 pacing.round_trip.observe(job.proposed, since)
 
     def _timed_alone(self, pacing: SessionPacing, step: float) -> None:

@@ -63,6 +63,7 @@ each consecutive span that the probe does not end doubles, up to ``max_alone``.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -211,9 +212,16 @@ class TargetPacing:
     alone_step: float | None = None  # measured T_alone (smoothed), None before any span
     wait: float = 0.0  # smoothed W
     chosen: int = 0  # the gamma its sessions chose last (a new session starts there)
+    # its sessions alive now (a session's pacing goes when its draft state does)
+    sessions: weakref.WeakSet[SessionPacing] = field(default_factory=weakref.WeakSet)
+
+    def batched(self, session: SessionPacing) -> bool:
+        """Whether another of its sessions is open beside ``session`` (the target's forwards
+        then carry other rows than this session's)."""
+        return any(other is not session for other in self.sessions)
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: its target keeps a weak set of its sessions
 class SessionPacing:
     """One session's policy state. Made by :class:`starsd.hub.pacing.Pacer` on the session's
     first job and kept on its draft state (``ChainState.pacing``): the drafting thread's only,
@@ -325,13 +333,18 @@ class GammaPolicy:
         p = self.params
         if fixed is None and like is not None:
             chosen = like.chosen or p.start_gamma
-            return SessionPacing(fixed=None, shared=like, alone_span=p.alone_tokens, chosen=chosen)
+            joined = SessionPacing(
+                fixed=None, shared=like, alone_span=p.alone_tokens, chosen=chosen
+            )
+            like.sessions.add(joined)
+            return joined
         estimate = AcceptanceEstimate(
             p.max_gamma, p.prior_alpha, p.prior_weight, p.forget, p.shift_z, p.shift_keep
         )
         pacing = SessionPacing(
             fixed=fixed, shared=TargetPacing(estimate), alone_span=p.alone_tokens
         )
+        pacing.shared.sessions.add(pacing)
         pacing.choose(fixed if fixed is not None else (start or p.start_gamma))
         if fixed == 0:  # --gamma 0: never drafts, so the longest spans cost fewest round trips
             pacing.alone_span = p.max_alone
