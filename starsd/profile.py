@@ -253,13 +253,13 @@ def write_profile(raw: dict[str, Any], path: str | Path) -> Path:
 
 
 def dumps(value: Any, indent: str = "") -> str:
-    """JSON indented by two spaces, with every object or list of scalars on one line (a grid
-    cell per line)."""
+    """JSON indented by two spaces, with every short object or list of scalars on one line (a
+    grid cell per line; long notes one per line)."""
     inner = indent + "  "
-    if isinstance(value, dict) and not _flat(value.values()):
+    if isinstance(value, dict) and (not _flat(value.values()) or len(json.dumps(value)) > 160):
         items = [f"{inner}{json.dumps(k)}: {dumps(v, inner)}" for k, v in value.items()]
         return "{\n" + ",\n".join(items) + f"\n{indent}}}"
-    if isinstance(value, list) and not _flat(value):
+    if isinstance(value, list) and (not _flat(value) or len(json.dumps(value)) > 100):
         items = [f"{inner}{dumps(v, inner)}" for v in value]
         return "[\n" + ",\n".join(items) + f"\n{indent}]"
     return json.dumps(value)
