@@ -14,10 +14,12 @@ Gamma: the hub's rule itself, :func:`starsd.analytic.auto_gamma` (which asks
 
 A mixed fleet (several target kinds, COUNT each): for N targets on one hub, kind k holds the
 share c_k / C of them, the hub's batches are formed from all N whatever their kind, and kind k's
-figures are ``predict`` of kind k's inputs at N: as if every target cycled like kind k. That is
-exact once the hub is fully loaded (its iteration is then its busy time, the same for every
-kind) and an approximation below (a faster kind's rounds meet a batch formed partly of slower
-ones). System tokens/s sums the kinds: sum_k (c_k / C) N per-target_k.
+figures are ``predict`` of kind k's inputs at N: as if every target cycled like kind k. Where
+every kind's prediction is fully loaded that is exact (the iteration is then the hub's busy
+time, the same for every kind); elsewhere it is an approximation (a faster kind's rounds meet
+batches formed partly of slower ones: the hub's load is understated in a slow kind's figures
+and overstated in a fast kind's). System tokens/s sums the kinds: sum_k (c_k / C) N
+per-target_k.
 
 Sizing, per kind, scanning N = 1, 2, ... with the gamma the hub would use at each N: N_full, the
 first N at which the hub is fully loaded (from there its throughput is fixed and more targets only
@@ -29,7 +31,6 @@ does not pay even for one target). Pure: no torch.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -294,8 +295,3 @@ def as_json(plan: Plan, ns: Sequence[int]) -> dict[str, Any]:
         "sizing": sizing(plan),
         "notes": list(plan.notes),
     }
-
-
-def with_kinds(plan: Plan, kinds: Sequence[Kind]) -> Plan:
-    """``plan`` with other kinds (tests and callers that vary the fleet)."""
-    return dataclasses.replace(plan, kinds=tuple(kinds))
