@@ -171,3 +171,117 @@ def sparse_q(q_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k = max(int((q_probs > 0).sum(dim=-1).max()), 1)
     probs, support = torch.topk(q_probs, k, dim=-1)  # [gamma, K]
     return support.to(torch.int32), probs.float()
+
+
+# ---------------------------------------------------------------------- token trees
+#
+# A token tree of N nodes: node i holds a draft token and its parent's index ``parents[i]``
+# (-1: a child of the root, the last committed token); parents come before their children, and
+# the children of a node are listed in the order they were drawn. Per-position rows (p, and q
+# for sampling) are indexed by node + 1, row 0 being the root's: the distribution of the token
+# after that node's path. A chain of gamma tokens is the tree parents = [-1, 0, 1, ..].
+#
+# Sampled trees use recursive rejection sampling without replacement (RSD, Jeon et al. 2024):
+# the children of a node are drawn from its q row without replacement (:func:`draw_children`),
+# so the i-th child is a draw from q with the earlier siblings removed and renormalised, q_i.
+# Verification walks from the root: child c_i of the current node is accepted with probability
+# min(1, p_i(c_i) / q_i(c_i)); on rejection p_{i+1} = norm(max(p_i - q_i, 0)) (the residual,
+# exactly the one-draft rule's) and the next sibling is tried; an accepted child becomes the
+# current node (its own p and q rows); when every child is rejected, or the node has none, the
+# next token is drawn from the current p_i (the last residual, or the node's p: the bonus).
+# Each step is the one-draft rule applied to p_i with a proposal drawn from q_i independently
+# of the earlier coins, so the emitted tokens follow p exactly. Chosen over SpecInfer's
+# multi-step rule (children drawn with replacement from q) because without replacement no two
+# siblings repeat a token, so a node budget buys distinct guesses.
+
+
+def tree_problem(parents: list[int], max_nodes: int) -> str | None:
+    """Why ``parents`` is not a token tree of at most ``max_nodes`` nodes (None if it is):
+    a parent index out of range, or not before its child (which rules out cycles)."""
+    if len(parents) > max_nodes:
+        return f"{len(parents)} tree nodes exceed the limit of {max_nodes}"
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            return f"node {i} names parent {parent}: parents must come before their children"
+    return None
+
+
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """Children of each row (row 0 the root, row i + 1 node i), in drawing order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents):
+        children[parent + 1].append(node)
+    return children
+
+
+def tree_path(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's first child down to ``node`` (-1: the empty path)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def draw_children(q_row: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` distinct tokens from ``q_row`` [V], drawn one after another without replacement
+    (Gumbel top-k: the order of the perturbed log-probabilities is that of sequential draws),
+    at most as many as q's support; int64 [count'] in drawing order."""
+    count = min(count, int((q_row > 0).sum()))
+    u = torch.rand(q_row.shape, generator=generator, device=q_row.device).clamp_min(1e-20)
+    keys = q_row.float().log() - (-u.log()).log()  # log q + Gumbel noise; -inf where q is 0
+    return torch.topk(keys, count).indices
+
+
+def greedy_tree_verify(
+    tokens: list[int], parents: list[int], p_logits: torch.Tensor
+) -> tuple[list[int], int]:
+    """The longest root path whose every token is the target's argmax given its prefix, and
+    the target's token after it. ``p_logits`` [N + 1, V] (row 0 the root's). Returns (the
+    path's nodes, next token)."""
+    argmax = torch.argmax(p_logits, dim=-1).tolist()  # [N + 1]
+    children, row = tree_children(parents), 0
+    path: list[int] = []
+    while True:
+        match = next((c for c in children[row] if tokens[c] == argmax[row]), None)
+        if match is None:
+            return path, int(argmax[row])
+        path.append(match)
+        row = match + 1
+
+
+def tree_rejection_sample(
+    tokens: list[int],
+    parents: list[int],
+    q_rows: torch.Tensor,
+    p_rows: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling over a tree (the section's comment): ``q_rows`` and
+    ``p_rows`` [N + 1, V] float32 (row 0 the root's; a row without children is not read from
+    q). Returns (the accepted path's nodes, the next token)."""
+    children, row = tree_children(parents), 0
+    path: list[int] = []
+    while True:
+        p, q = p_rows[row], q_rows[row]
+        accepted = None
+        for child in children[row]:
+            token = tokens[child]
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * float(q[token]) < float(p[token]):  # u < p / q without dividing
+                accepted = child
+                break
+            p = residual_distribution(p, q)
+            q = _without(q, token)
+        if accepted is None:
+            return path, int(sample(p[None], generator)[0])
+        path.append(accepted)
+        row = accepted + 1
+
+
+def _without(q: torch.Tensor, token: int) -> torch.Tensor:
+    """q with ``token`` removed and renormalised (the law of the next sibling's draw)."""
+    q = q.clone()
+    q[token] = 0.0
+    mass = q.sum()
+    return q / mass if float(mass) > 0 else q
