@@ -94,6 +94,19 @@ class SequenceCache:
         view.crop(length)
         return view
 
+    def keep(self, start: int, columns: Sequence[int]) -> None:
+        """Keep the first ``start`` positions, then the positions ``start + c`` for each c of
+        ``columns`` (ascending), moved down to follow them; crop the rest. A token tree's
+        accepted path (:func:`starsd.tree.kept_columns`) is compacted this way, in place (for a
+        pool slot, in the pool)."""
+        if self.kv is None or not columns:
+            self.crop(min(start, self.length))
+            return
+        source = torch.tensor([start + c for c in columns], device=self.kv.device)
+        moved = self.kv.index_select(3, source)  # [layers, 2, heads, k, d] (a copy)
+        self.kv[:, :, :, start : start + len(columns)] = moved
+        self.crop(start + len(columns))
+
     def nbytes(self) -> int:
         """Bytes of keys and values this sequence holds."""
         return self.kv.nbytes if self.kv is not None else 0

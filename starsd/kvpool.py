@@ -160,10 +160,19 @@ class PooledRows:
     model thread only.
     """
 
-    def __init__(self, pool: KVPool, caches: Sequence[SequenceCache], fed: Sequence[int]) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        caches: Sequence[SequenceCache],
+        fed: Sequence[int],
+        feed_masks: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
         self.pool = pool
         self.layers = pool.shape[0]
         self.fed = tuple(fed)
+        # per row, [f, f] bool over its own feed (starsd.tree.feed_mask: a token tree); None:
+        # causal
+        self.feed_masks = tuple(feed_masks) if feed_masks is not None else (None,) * len(fed)
         width = max(self.fed)
         # adopting a row may grow the pool: earlier rows' views are re-pointed with it
         self.rows = [pool.adopt(c, width) for c in caches]
@@ -233,7 +242,7 @@ class PooledRows:
         position c_b + min(j, f_b - 1); a slot of the range outside the batch, key 0 only.
         None where that is every key (one query per row, rows of one length, none outside)."""
         uniform = len(set(self.start)) == 1 and len(set(self.fed)) == 1
-        if self._exact and uniform and self.fed[0] == 1:
+        if self._exact and uniform and self.fed[0] == 1 and not any(self.feed_masks):
             return None
         if self._allowed is None:
             device = self._index.device
@@ -245,6 +254,11 @@ class PooledRows:
             limit = torch.zeros(self._span, width, dtype=torch.long, device=device)
             limit[self._index - self._low] = last
             self._allowed = (torch.arange(self._keys, device=device) <= limit[..., None])[:, None]
+            for row, mask in enumerate(self.feed_masks):
+                if mask is not None:  # a tree's row: its feed sees what the mask says
+                    at, start = int(self._index[row]) - self._low, self.start[row]
+                    width_b = self.fed[row]
+                    self._allowed[at, 0, :width_b, start : start + width_b] = mask.to(device)
         return self._allowed
 
     def _attend_each(self, whole: torch.Tensor, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -259,6 +273,9 @@ class PooledRows:
             if fed > 1:
                 col = torch.arange(start + fed, device=query.device)
                 causal = col[None, :] <= start + torch.arange(fed, device=query.device)[:, None]
+                mask = self.feed_masks[row]
+                if mask is not None:
+                    causal[:, start:] = mask.to(query.device)
                 causal = causal[None, None]  # [1, 1, f, T]
             out[row, :fed] = attention(query[row : row + 1, :, :fed], keys, values, causal, scale)[
                 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from starsd import tree
 from starsd.protocol import SamplingParams
 
 
@@ -175,11 +176,8 @@ def sparse_q(q_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------------- token trees
 #
-# A token tree of N nodes: node i holds a draft token and its parent's index ``parents[i]``
-# (-1: a child of the root, the last committed token); parents come before their children, and
-# the children of a node are listed in the order they were drawn. Per-position rows (p, and q
-# for sampling) are indexed by node + 1, row 0 being the root's: the distribution of the token
-# after that node's path. A chain of gamma tokens is the tree parents = [-1, 0, 1, ..].
+# Trees as :mod:`starsd.tree` lays them out: rows of p (and q) indexed by node + 1, row 0 the
+# root's, the distribution of the token after that node's path.
 #
 # Sampled trees use recursive rejection sampling without replacement (RSD, Jeon et al. 2024):
 # the children of a node are drawn from its q row without replacement (:func:`draw_children`),
@@ -193,34 +191,6 @@ def sparse_q(q_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # of the earlier coins, so the emitted tokens follow p exactly. Chosen over SpecInfer's
 # multi-step rule (children drawn with replacement from q) because without replacement no two
 # siblings repeat a token, so a node budget buys distinct guesses.
-
-
-def tree_problem(parents: list[int], max_nodes: int) -> str | None:
-    """Why ``parents`` is not a token tree of at most ``max_nodes`` nodes (None if it is):
-    a parent index out of range, or not before its child (which rules out cycles)."""
-    if len(parents) > max_nodes:
-        return f"{len(parents)} tree nodes exceed the limit of {max_nodes}"
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            return f"node {i} names parent {parent}: parents must come before their children"
-    return None
-
-
-def tree_children(parents: list[int]) -> list[list[int]]:
-    """Children of each row (row 0 the root, row i + 1 node i), in drawing order."""
-    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for node, parent in enumerate(parents):
-        children[parent + 1].append(node)
-    return children
-
-
-def tree_path(parents: list[int], node: int) -> list[int]:
-    """The nodes from the root's first child down to ``node`` (-1: the empty path)."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 def draw_children(q_row: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -240,10 +210,10 @@ def greedy_tree_verify(
     the target's token after it. ``p_logits`` [N + 1, V] (row 0 the root's). Returns (the
     path's nodes, next token)."""
     argmax = torch.argmax(p_logits, dim=-1).tolist()  # [N + 1]
-    children, row = tree_children(parents), 0
+    kids, row = tree.children(parents), 0
     path: list[int] = []
     while True:
-        match = next((c for c in children[row] if tokens[c] == argmax[row]), None)
+        match = next((c for c in kids[row] if tokens[c] == argmax[row]), None)
         if match is None:
             return path, int(argmax[row])
         path.append(match)
@@ -260,12 +230,12 @@ def tree_rejection_sample(
     """Recursive rejection sampling over a tree (the section's comment): ``q_rows`` and
     ``p_rows`` [N + 1, V] float32 (row 0 the root's; a row without children is not read from
     q). Returns (the accepted path's nodes, the next token)."""
-    children, row = tree_children(parents), 0
+    kids, row = tree.children(parents), 0
     path: list[int] = []
     while True:
         p, q = p_rows[row], q_rows[row]
         accepted = None
-        for child in children[row]:
+        for child in kids[row]:
             token = tokens[child]
             u = float(torch.rand((), generator=generator, device=p.device))
             if u * float(q[token]) < float(p[token]):  # u < p / q without dividing

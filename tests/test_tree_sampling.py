@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from starsd import sampling
+from starsd import sampling, tree
 
 V = 5
 
@@ -121,5 +121,5 @@ def test_greedy_tree_verification_follows_the_targets_argmax() -> None:
 def test_a_malformed_tree_is_named(parents: list[int], problem: str) -> None:
     """Catches cycles, forward references, out-of-range parents and an over-budget tree
     getting past the check (a cycle would loop the target's walk forever)."""
-    assert problem in (sampling.tree_problem(parents, 8) or "")
-    assert sampling.tree_problem([-1, 0, 0, 1, -1], 8) is None
+    assert problem in (tree.tree_problem(parents, 8) or "")
+    assert tree.tree_problem([-1, 0, 0, 1, -1], 8) is None

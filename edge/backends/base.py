@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from starsd.batch import SequenceCache
+from starsd.tree import TreeFeed
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,13 @@ class VerifierBackend(Protocol):
         caches: Sequence[SequenceCache],
         feeds: Sequence[Sequence[int]],
         taps: Sequence[int] = (),
+        trees: Sequence[TreeFeed | None] | None = None,
     ) -> list[RowOutput]:
         """One forward of every row: ``feeds[i]`` (at least one token) after ``caches[i]``;
         with ``taps``, each row's hidden states there too (:func:`starsd.llama.tapped`).
+        ``trees[i]`` lays row i out as a token tree (:class:`starsd.tree.TreeFeed`: its nodes
+        see their ancestors only, each at its depth's position); a backend that cannot raises
+        ValueError.
 
         The input caches are left as they are (a row's result may share their storage only
         read-only); rows are independent: a row's logits do not depend on the others in the

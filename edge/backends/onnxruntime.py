@@ -35,6 +35,7 @@ from edge.backends import onnx_manifest
 from edge.backends.base import ModelInfo, RowOutput
 from edge.backends.onnx_manifest import Manifest, ManifestError
 from starsd.batch import LayerBuffer, RaggedBatch, SequenceCache
+from starsd.tree import TreeFeed
 
 log = logging.getLogger("edge.backends.onnxruntime")
 
@@ -322,10 +323,16 @@ class OnnxBackend:
         caches: Sequence[SequenceCache],
         feeds: Sequence[Sequence[int]],
         taps: Sequence[int] = (),
+        trees: Sequence[TreeFeed | None] | None = None,
     ) -> list[RowOutput]:
         """One ragged forward (see :class:`edge.backends.base.VerifierBackend`); batches and
         feeds beyond the TensorRT profile run as several session runs. The exported graph
-        outputs the last hidden state only: ``taps`` () or (-1,) (``info.layers`` is 0)."""
+        outputs the last hidden state only: ``taps`` () or (-1,) (``info.layers`` is 0), and
+        takes no attention mask: no token trees."""
+        if trees is not None and any(t is not None for t in trees):
+            raise ValueError(
+                "the ONNX target's graph takes no attention mask: it cannot verify trees"
+            )
         if tuple(taps) not in ((), (-1,)):
             raise ValueError(f"an ONNX target taps only its last hidden state, not {list(taps)}")
         features = bool(taps)

@@ -25,6 +25,7 @@ from starsd import models
 from starsd.batch import RaggedBatch, SequenceCache
 from starsd.kvpool import KVPool, PooledRows
 from starsd.llama import PaddedKeyValues
+from starsd.tree import TreeFeed
 
 
 class TorchBackend:
@@ -88,10 +89,14 @@ class TorchBackend:
         caches: Sequence[SequenceCache],
         feeds: Sequence[Sequence[int]],
         taps: Sequence[int] = (),
+        trees: Sequence[TreeFeed | None] | None = None,
     ) -> list[RowOutput]:
-        """One padded forward of every row; see :meth:`VerifierBackend.forward`."""
+        """One padded forward of every row; see :meth:`VerifierBackend.forward`. Token trees
+        need StarSD's own attention (the pooled path)."""
         if self.pool is not None:
-            return self._forward_pooled(self.pool, caches, feeds, taps)
+            return self._forward_pooled(self.pool, caches, feeds, taps, trees)
+        if trees is not None and any(t is not None for t in trees):
+            raise ValueError(f"{self.info.name} runs transformers' attention: no token trees")
         batch = RaggedBatch(tuple(c.length for c in caches), tuple(len(f) for f in feeds), 0)
         buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.loaded.device)
         logits, hidden = models.forward_batch(
@@ -113,14 +118,21 @@ class TorchBackend:
         caches: Sequence[SequenceCache],
         feeds: Sequence[Sequence[int]],
         taps: Sequence[int],
+        trees: Sequence[TreeFeed | None] | None = None,
     ) -> list[RowOutput]:
         """Every row in its pool slot: the new positions are written after its cached ones (so
-        the input caches' positions stay as they are)."""
+        the input caches' positions stay as they are); a tree row's nodes at their depths."""
         fed = tuple(len(f) for f in feeds)
-        rows = PooledRows(pool, caches, fed)
+        trees = trees or [None] * len(feeds)
+        masks = [None if t is None else t.mask() for t in trees]
+        rows = PooledRows(pool, caches, fed, masks)
         layout = RaggedBatch(rows.start, fed, 0)  # for the padded ids and the positions
+        positions = layout.feed_positions()
+        for row, t in enumerate(trees):
+            if t is not None:
+                positions[row, : fed[row]] = rows.start[row] + torch.tensor(t.offsets())
         logits, hidden = models.forward_batch(
-            self.loaded, layout.input_ids(feeds), layout.feed_positions(), rows, taps, fed=fed
+            self.loaded, layout.input_ids(feeds), positions, rows, taps, fed=fed
         )
         return [
             RowOutput(logits[row, :f], _rows(hidden, row, f), rows.result(row))
