@@ -21,12 +21,16 @@ import numpy as np
 import torch
 
 from edge.backends.base import ModelInfo, RowOutput, VerifierBackend
-from starsd import sampling
+from starsd import sampling, tree
 from starsd.batch import SequenceCache
 from starsd.protocol import SamplingParams
 from starsd.stats import latency_summary
 
 VerifyRow = tuple["TargetSequence", Sequence[int], "torch.Tensor | None"]  # (seq, drafts, q [g, V])
+# A token tree's parents per row (starsd.tree; None: the drafts are a chain). For a sampled tree,
+# q's row i is the law node i was drawn from: its parent's q (siblings carry the same row).
+Parents = Sequence[int] | None
+MAX_TREE_NODES = 64  # the most nodes a proposal's tree may hold
 
 
 @dataclass
@@ -132,10 +136,10 @@ class TargetSequence:
         return step_batch(self.backend, [self])[0]
 
     def verify(
-        self, draft_tokens: list[int], q_probs: torch.Tensor | None
+        self, draft_tokens: list[int], q_probs: torch.Tensor | None, parents: Parents = None
     ) -> tuple[int, list[int]]:
-        """Verify one proposal alone; see :func:`verify_batch`."""
-        return verify_batch(self.backend, [(self, draft_tokens, q_probs)])[0]
+        """Verify one proposal alone (``parents``: a token tree); see :func:`verify_batch`."""
+        return verify_batch(self.backend, [(self, draft_tokens, q_probs)], [parents])[0]
 
     @property
     def collect_features(self) -> bool:
@@ -161,22 +165,32 @@ class TargetSequence:
         fed_before: int,
         is_round: bool,
         taps: tuple[int, ...] = (),
+        parents: Parents = None,
     ) -> tuple[int, list[int]]:
-        """Judge a forward's row (``fed_before`` uncached tokens, then ``drafts``), keep the
-        accepted part of its cache and features (laid out by ``taps``), commit."""
+        """Judge a forward's row (``fed_before`` uncached tokens, then ``drafts``: a chain, or
+        the nodes of a tree with ``parents``), keep the cache and features of the uncached
+        tokens and the accepted path (laid out by ``taps``), commit."""
         assert self.cache is not None
         gamma = len(drafts)
-        accepted, token = self._judge(list(drafts), q_probs, out.logits[-(gamma + 1) :])
-        keep = fed_before + accepted  # the uncached tokens and the accepted drafts
-        out.cache.crop(self.cache.length + keep)
+        p_logits = out.logits[-(gamma + 1) :]
+        if parents is None or tree.is_chain(parents):
+            accepted, token = self._judge(list(drafts), q_probs, p_logits)
+            path = list(range(accepted))
+            out.cache.crop(self.cache.length + fed_before + accepted)
+        else:
+            path, token = self._judge_tree(list(drafts), list(parents), q_probs, p_logits)
+            accepted = len(path)
+            out.cache.keep(self.cache.length, tree.kept_columns(fed_before, path))
         self.cache = out.cache
-        self._keep_features(out.features, keep, taps)
+        kept = tree.kept_columns(fed_before, path)
+        features = None if out.features is None else out.features[kept]
+        self._keep_features(features, len(kept), taps)
         self.stats.target_forwards += 1
         if is_round:
             self.stats.rounds += 1
             self.stats.proposed += gamma
             self.stats.accepted += accepted
-        self._commit([*drafts[:accepted], token])
+        self._commit([*(drafts[n] for n in path), token])
         return accepted, [token]
 
     def _judge(
@@ -195,6 +209,25 @@ class TargetSequence:
             drafts[None], q_probs[None], p[None], self.generator
         )
         return int(accepted[0]), int(token[0])
+
+    def _judge_tree(
+        self,
+        tokens: list[int],
+        parents: list[int],
+        q_probs: torch.Tensor | None,
+        p_logits: torch.Tensor,
+    ) -> tuple[list[int], int]:
+        """(accepted path, next token) of a token tree from p's logits [N + 1, V] (row 0 the
+        root's, row i + 1 node i's); sampled: recursive rejection sampling (starsd.sampling)."""
+        if self.params.greedy:
+            return sampling.greedy_tree_verify(tokens, parents, p_logits)
+        if q_probs is None:
+            raise ValueError("a sampled sequence needs the draft probabilities")
+        p = sampling.probs_from_logits(p_logits, self.params)  # [N + 1, V]
+        q_rows = torch.zeros_like(p)
+        for node, parent in enumerate(parents):  # each node's row is its parent's q
+            q_rows[parent + 1] = q_probs[node]
+        return sampling.tree_rejection_sample(tokens, parents, q_rows, p, self.generator)
 
     def _keep_features(
         self, features: torch.Tensor | None, n: int, taps: tuple[int, ...] = ()
@@ -267,7 +300,9 @@ def step_batch(backend: VerifierBackend, seqs: Sequence[TargetSequence]) -> list
 
 
 def verify_batch(
-    backend: VerifierBackend, proposals: Sequence[VerifyRow]
+    backend: VerifierBackend,
+    proposals: Sequence[VerifyRow],
+    parents: Sequence[Parents] | None = None,
 ) -> list[tuple[int, list[int]]]:
     """Verify each ``(seq, draft_tokens, q_probs)`` (q [gamma, V], None when greedy) and commit.
 
@@ -275,15 +310,21 @@ def verify_batch(
     tokens were kept and the target's own token after them. Raises ValueError (before any
     forward) for a proposal that :func:`check_proposal` refuses.
     """
-    return decode_batch(backend, proposals, [True] * len(proposals))
+    return decode_batch(backend, proposals, [True] * len(proposals), parents)
 
 
 def check_proposal(
-    seq: TargetSequence, drafts: Sequence[int], q_probs: torch.Tensor | None
+    seq: TargetSequence,
+    drafts: Sequence[int],
+    q_probs: torch.Tensor | None,
+    parents: Parents = None,
 ) -> None:
-    """ValueError naming what is wrong with verifying ``drafts`` on ``seq`` (nothing if fine)."""
+    """ValueError naming what is wrong with verifying ``drafts`` (a chain, or a token tree with
+    ``parents``) on ``seq`` (nothing if fine)."""
     if seq.done or seq.cache is None:
         raise ValueError("the sequence is finished")
+    if parents is not None:
+        _check_tree(drafts, q_probs, parents)
     if drafts and not fits_context(seq, len(drafts)):  # a step may run on (RoPE models do)
         raise ValueError(
             f"{seq.committed} + {len(drafts)} positions exceed the target's "
@@ -301,6 +342,25 @@ def check_proposal(
             raise ValueError(problem)
 
 
+def _check_tree(
+    drafts: Sequence[int], q_probs: torch.Tensor | None, parents: Sequence[int]
+) -> None:
+    """ValueError for a tree whose parents do not form one, that does not match its tokens, or
+    whose siblings carry different q rows (they were drawn from one law)."""
+    if len(parents) != len(drafts):
+        raise ValueError(f"{len(parents)} parents for {len(drafts)} tree nodes")
+    problem = tree.tree_problem(list(parents), MAX_TREE_NODES)
+    if problem is not None:
+        raise ValueError(problem)
+    if q_probs is None or len(q_probs) != len(drafts):
+        return  # (greedy; a sampled proposal's q shape is checked with the chain's rules)
+    first: dict[int, int] = {}
+    for node, parent in enumerate(parents):
+        sibling = first.setdefault(parent, node)
+        if sibling != node and not torch.equal(q_probs[node], q_probs[sibling]):
+            raise ValueError(f"tree node {node}'s q differs from its sibling {sibling}'s")
+
+
 def fits_context(seq: TargetSequence, gamma: int) -> bool:
     """Whether verifying ``gamma`` more tokens stays inside the target's position limit."""
     limit = seq.info.max_positions
@@ -308,22 +368,32 @@ def fits_context(seq: TargetSequence, gamma: int) -> bool:
 
 
 def decode_batch(
-    backend: VerifierBackend, proposals: Sequence[VerifyRow], rounds: Sequence[bool]
+    backend: VerifierBackend,
+    proposals: Sequence[VerifyRow],
+    rounds: Sequence[bool],
+    parents: Sequence[Parents] | None = None,
 ) -> list[tuple[int, list[int]]]:
     """Verifications and steps mixed: ONE forward of every row (its uncached tokens, then its
-    drafts), then each row judged alone with its own generator. ``rounds[i]`` says whether row
-    i counts as a verification round (False: a standalone step) in the sequence's stats."""
+    drafts: a chain, or a token tree where ``parents[i]`` is given), then each row judged alone
+    with its own generator. ``rounds[i]`` says whether row i counts as a verification round
+    (False: a standalone step) in the sequence's stats."""
     _distinct([seq for seq, _, _ in proposals])
-    for seq, drafts, q_probs in proposals:
-        check_proposal(seq, drafts, q_probs)
+    shapes = list(parents) if parents is not None else [None] * len(proposals)
+    for (seq, drafts, q_probs), shape in zip(proposals, shapes, strict=True):
+        check_proposal(seq, drafts, q_probs, shape)
     uncached = [seq.uncached() for seq, _, _ in proposals]
     feeds = [[*u, *drafts] for u, (_, drafts, _) in zip(uncached, proposals, strict=True)]
     taps = union_taps([seq for seq, _, _ in proposals])
-    outs = backend.forward([_cache(seq) for seq, _, _ in proposals], feeds, taps)
+    trees = [
+        None if shape is None or tree.is_chain(shape) else tree.TreeFeed(len(u), shape)
+        for u, shape in zip(uncached, shapes, strict=True)
+    ]
+    caches = [_cache(seq) for seq, _, _ in proposals]
+    outs = backend.forward(caches, feeds, taps, trees if any(trees) else None)
     return [
-        seq._apply(drafts, q, out, len(u), is_round, taps)
-        for (seq, drafts, q), u, out, is_round in zip(
-            proposals, uncached, outs, rounds, strict=True
+        seq._apply(drafts, q, out, len(u), is_round, taps, shape)
+        for (seq, drafts, q), u, out, is_round, shape in zip(
+            proposals, uncached, outs, rounds, shapes, strict=True
         )
     ]
 

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from scipy import stats
 
 from edge.backends.torch import TorchBackend
-from starsd import tree
+from edge.verifier import TargetSequence, verify_batch
+from starsd import sampling, tree
 from starsd.batch import SequenceCache
+from starsd.protocol import SamplingParams
 from starsd.tree import TreeFeed
 
 PROMPT = [5, 17, 33, 8, 21]
@@ -87,3 +90,92 @@ def test_a_backend_without_our_attention_refuses_trees(gpt2_pair: tuple[Path, Pa
     gpt2 = TorchBackend.load(gpt2_pair[0])
     with pytest.raises(ValueError, match="no token trees"):
         gpt2.forward([SequenceCache()], [[1, 2, 3]], trees=[TreeFeed(1, [-1, -1])])
+
+
+GREEDY = SamplingParams()
+
+
+def _alone(backend: TorchBackend, prompt: list[int], n: int) -> list[int]:
+    seq = TargetSequence(backend, prompt, GREEDY, n)
+    while not seq.done:
+        seq.step()
+    return seq.generated
+
+
+def test_greedy_tree_rounds_in_a_batch_equal_the_target_alone(backend: TorchBackend) -> None:
+    """Catches a tree verification that commits a node off the argmax path, the wrong next
+    token, or a cache compacted wrongly (the next rounds would drift from the target alone):
+    rounds whose trees hide the target's own next two tokens behind wrong siblings, batched
+    with a plain chain row, commit exactly the target alone's tokens, two drafts a round."""
+    prompts, n = [[5, 17, 33, 8], [9, 3]], 12
+    want = [_alone(backend, p, n) for p in prompts]
+    seqs = [TargetSequence(backend, p, GREEDY, n) for p in prompts]
+    while not all(s.done for s in seqs):
+        live = [s for s in seqs if not s.done]
+        rows, shapes = [], []
+        for s in live:
+            i = len(s.generated)
+            truth = want[seqs.index(s)][i : i + 2]
+            if len(truth) < 2 or s is seqs[1]:  # the chain row: the right first token only
+                rows.append((s, truth[:1], None))
+                shapes.append(None)
+                continue
+            wrong = [(t + 1) % backend.info.vocab_size for t in truth]
+            rows.append((s, [wrong[0], truth[0], wrong[1], truth[1]], None))
+            shapes.append([-1, -1, 1, 1])  # root: wrong, right; under right: wrong, right
+        results = verify_batch(backend, rows, shapes)
+        for (s, drafts, _), shape, (accepted, _) in zip(rows, shapes, results, strict=True):
+            assert accepted == (2 if shape else len(drafts)) or s.done
+    assert [s.generated for s in seqs] == want
+
+
+def test_sampled_tree_verification_keeps_the_targets_law(backend: TorchBackend) -> None:
+    """Catches a sampled tree verification (through the batched verify, q rows per parent)
+    whose first emitted token does not follow p: a wrong q row per node, a sibling judged
+    against the original q, or p's rows read at the wrong node (chi-square over p's likely
+    tokens, 1500 rounds)."""
+    params = SamplingParams(temperature=1.0, top_k=8, seed=3)
+    prompt = [5, 17, 33, 8]
+    probe = TargetSequence(backend, prompt, params, 1)
+    (out,) = backend.forward([probe.cache], [probe.uncached()])
+    p = sampling.probs_from_logits(out.logits[-1:], params)[0]  # the first token's law
+    q = torch.softmax(
+        torch.randn(backend.info.vocab_size, generator=torch.Generator().manual_seed(1)), -1
+    )
+    gen, counts = torch.Generator().manual_seed(4), torch.zeros_like(p)
+    for _ in range(1500):
+        seq = TargetSequence(backend, prompt, params, 1)
+        seq.generator = torch.Generator().manual_seed(
+            int(torch.randint(0, 2**31, (1,), generator=gen))
+        )
+        kids = sampling.draw_children(q, 3, gen).tolist()
+        seq.verify(kids, q.expand(3, -1).clone(), [-1, -1, -1])
+        counts[seq.generated[0]] += 1
+    likely = p > 0.02
+    expected = p[likely] / p[likely].sum() * counts[likely].sum()
+    assert stats.chisquare(counts[likely].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("drafts", "parents", "q", "problem"),
+    [
+        ([1, 2], [-1, 1], None, "node 1 names parent 1"),
+        ([1, 2], [-1], None, "1 parents for 2 tree nodes"),
+        ([1, 2, 3], [-1, -1, 0], "siblings differ", "q differs from its sibling"),
+    ],
+)
+def test_a_malformed_tree_proposal_is_refused_before_any_forward(
+    backend: TorchBackend, drafts: list[int], parents: list[int], q: str | None, problem: str
+) -> None:
+    """Catches a cycle or forward reference, parents that do not match the tokens, or
+    siblings claiming different laws reaching the forward (a cycle would hang the walk; a
+    sibling law that differs makes the rejection rule lossy)."""
+    params = SamplingParams(temperature=1.0, seed=1) if q else GREEDY
+    seq = TargetSequence(backend, [5, 17], params, 4)
+    q_probs = None
+    if q:
+        q_probs = torch.full((3, backend.info.vocab_size), 1.0 / backend.info.vocab_size)
+        q_probs[1] = torch.softmax(torch.arange(backend.info.vocab_size).float(), -1)
+    with pytest.raises(ValueError, match=problem):
+        verify_batch(backend, [(seq, drafts, q_probs)], [parents])
+    assert seq.generated == [] and seq.cached == 1
