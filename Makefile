@@ -12,6 +12,8 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 BENCH_ARGS = $(if $(QUICK),--quick)
+# PROFILE=DRAFT.json,TARGET.json: bench-scale and bench-hubs replay that profile pair
+PROFILE_ARGS = $(if $(PROFILE),--profile $(PROFILE))
 
 .PHONY: venv install test test-fast test-load hostile-probe lint demo models eval-models bench bench-scale bench-lan bench-hubs \
 	bench-service bench-onnx bench-real check-gpu load \
@@ -36,12 +38,18 @@ help:
 	@echo "                 RSS, fixed gamma vs --gamma auto -> results/bench-scale.json + .png [QUICK=1: < 4 min]"
 	@echo "make bench-hubs  one hub vs two (emulated sweep, hubs pinned to CPUs 0 and 1) and a hub SIGKILLed under"
 	@echo "                 real targets -> results/bench-hubs.json + .png [QUICK=1: < 2 min]"
+	@echo "  PROFILE=DRAFT.json,TARGET.json  (bench-scale, bench-hubs) replay a profile pair: emulated drafter"
+	@echo "                 and targets at its costs, the plan's prediction beside each point ->"
+	@echo "                 results/bench-{scale,hubs}-NAME.json, NAME the files' common prefix, e.g."
+	@echo "                 PROFILE=profiles/published-h100-llama31-8b-eagle3-draft.json,profiles/published-h100-llama31-8b-target.json"
 	@echo "make bench-service  S(B) of the draft LLM and EAGLE head in process -> results/bench-service.json [QUICK=1]"
 	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
 	@echo "make bench-onnx  onnxruntime CPU vs torch CPU, greedy tok/s on the default target -> results/bench-onnx.json"
 	@echo "make bench-real  the real pair: standalone, hub (auto, gamma 1, 2), centralized, prompt lookup,"
 	@echo "                 --concurrency 4 and 8, beside the model -> results/bench-real.json [QUICK=1: ~2 min]"
-	@echo "make check-gpu   (NVIDIA GPU) onnxruntime CUDA/TensorRT vs torch -> results/gpu-backends.json"
+	@echo "make check-gpu   (NVIDIA GPU) onnxruntime CUDA/TensorRT vs torch -> results/gpu-backends.json;"
+	@echo "                 starsd profile draft/target of the SmolLM2 pair on cuda -> profiles/measured-cuda-*.json"
+	@echo "                 and starsd plan from them -> results/plan-cuda.json (without CUDA: skipped, one line)"
 	@echo "make load        streaming clients against edge.target --serve, hub vs --standalone"
 	@echo "                 (or URL=http://... a running server) -> results/load.json [QUICK=1]"
 
@@ -113,10 +121,10 @@ bench: $(READY)
 	$(BIN)/python -m scripts.bench.run --suite main $(BENCH_ARGS)
 
 bench-scale: $(READY)
-	$(BIN)/python -m scripts.bench.run --suite scale $(BENCH_ARGS)
+	$(BIN)/python -m scripts.bench.run --suite scale $(BENCH_ARGS) $(PROFILE_ARGS)
 
 bench-hubs: $(READY)
-	$(BIN)/python -m scripts.bench.hubs $(BENCH_ARGS)
+	$(BIN)/python -m scripts.bench.hubs $(BENCH_ARGS) $(PROFILE_ARGS)
 
 bench-service: $(READY)
 	$(BIN)/python -m scripts.bench.service $(BENCH_ARGS)
@@ -129,6 +137,7 @@ bench-real: $(READY)
 
 check-gpu: $(READY)
 	$(BIN)/python -m scripts.bench.check_gpu_backends --out results/gpu-backends.json
+	$(BIN)/python -m scripts.bench.check_gpu_profile
 
 bench-lan: $(READY)
 	$(BIN)/python -m scripts.bench.run --suite lan $(BENCH_ARGS)

@@ -22,7 +22,10 @@
    verified on the survivor) against one heartbeat, and ``standalone_after_move``; from the
    targets' logs, the time from the kill to each target detecting it.
 
-Writes results/bench-hubs.json and results/bench-hubs.png.
+Writes results/bench-hubs.json and results/bench-hubs.png. With ``--profile DRAFT.json,TARGET.json``
+(``make bench-hubs PROFILE=...``) the sweep's hubs and emulated targets replay that profile pair
+and the plan's prediction goes beside every run (scripts/bench/replay.py), into
+results/bench-hubs-<pair name>.json.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.client import TargetInfo
+from scripts.bench import replay
 from scripts.bench.common import sweep_order
 from scripts.bench.harness import (
     PROMPTS,
@@ -83,6 +87,11 @@ class HubsConfig:
     fault_prompts: int = 18  # per target (the harness prompts, repeated)
     fault_max_new_tokens: int = 64
     out_dir: str = "results"
+    # the sweep replayed under profiles (scripts/bench/replay.py): the hubs draft with
+    # --draft-kind emulated at the draft profile's S(B, g), the emulated targets verify and
+    # decode alone at the target profile's V(1, g) and T(1) ("": the draft LLM, --verify-ms)
+    draft_profile: str = ""
+    target_profile: str = ""
 
 
 # ---------------------------------------------------------------------- placement and order
@@ -143,6 +152,7 @@ def start_emulator(
         tag[-1],
         "--out",
         str(out),
+        *(["--profile", cfg.target_profile] if cfg.target_profile else []),
     ]
     return procs.start(args, out.with_suffix(".log"), cpus=cpus_), out
 
@@ -483,6 +493,11 @@ def sweep_hubs(
         "--heartbeat-s",
         str(cfg.heartbeat_s),
         *NO_PREDRAFT,
+        *(
+            ["--draft-kind", "emulated", "--draft-profile", cfg.draft_profile]
+            if cfg.draft_profile
+            else []
+        ),
     ]
     return {
         name: (work / f"hub-{name}.log", args, c) for name, c in zip("ab", hub_cpus, strict=True)
@@ -645,7 +660,11 @@ def parse_args(argv: list[str] | None = None) -> HubsConfig:
     p.add_argument("--heartbeat-s", type=float, default=HubsConfig.heartbeat_s)
     p.add_argument("--fault-targets", type=int, default=HubsConfig.fault_targets)
     p.add_argument("--out-dir", default=HubsConfig.out_dir)
+    p.add_argument("--draft-profile", default="", help="the hubs replay this draft profile")
+    p.add_argument("--target-profile", default="", help="the emulated targets follow this one")
+    replay.add_profile_option(p)
     a = vars(p.parse_args(argv))
+    replay.resolve_profiles(p, a)
     a["ns"] = tuple(a["ns"])
     quick = {"duration": 2.0, "warmup": 0.5, "calibration": 1.0} if a["quick"] else {}
     a["repeats"] = a["repeats"] or (1 if a["quick"] else HubsConfig.repeats)
@@ -661,11 +680,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     if result is None:
         return 130
-    out = REPO / cfg.out_dir / "bench-hubs.json"
+    out = (
+        REPO
+        / cfg.out_dir
+        / f"{replay.out_stem('bench-hubs', cfg.draft_profile, cfg.target_profile)}.json"
+    )
+    result["plan_check"] = replay.hubs_check(result, cfg, out.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
     print(markdown(result))
+    if result["plan_check"]:
+        print(replay.report(result["runs"], result["plan_check"]))
     print(f"wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f} s")
     return 0
 

@@ -27,6 +27,7 @@ from edge.client import TargetInfo
 from edge.verifier import TargetSequence
 from scripts.bench import assisted as bench_assisted
 from scripts.bench import predraft as bench_predraft
+from scripts.bench import replay
 from scripts.bench import scale as bench_scale
 from scripts.bench import verify as bench_verify
 from scripts.bench.common import BenchConfig, hub_overhead, hub_stats, run_record
@@ -669,8 +670,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         default="",
         help="scale suite: the emulated targets' verify and alone times follow this profile",
     )
+    replay.add_profile_option(p)
     p.add_argument("--out-dir", default=BenchConfig.out_dir)
     a = vars(p.parse_args(argv))
+    replay.resolve_profiles(p, a)
     a["scale_ns"] = tuple(a["scale_ns"])
     if a["quick"]:
         a.update(max_new_tokens=32, ns=(1, 2), duration=2.0, calibration=1.0, warmup=0.5)
@@ -777,12 +780,17 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:
         return 130
     result["machine"] = machine()
-    out = REPO / cfg.out_dir / f"{OUT_NAMES[cfg.suite]}.json"
+    if cfg.suite == "scale" and cfg.draft_profile and cfg.target_profile:
+        result["plan_check"] = replay.scale_check(result, cfg)
+    name = replay.out_stem(OUT_NAMES[cfg.suite], cfg.draft_profile, cfg.target_profile)
+    out = REPO / cfg.out_dir / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
     print(bench_scale.markdown(result) if cfg.suite == "scale" else markdown(result))
     print({k: v for k, v in result.items() if k not in ("runs", "config")})
+    if result.get("plan_check"):
+        print(replay.report(result["runs"], result["plan_check"]))
     print(f"wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f} s")
     return 0
 

@@ -1,0 +1,207 @@
+"""Benchmarks replayed under a profile pair (scripts/bench/replay.py): PROFILE parsing, the
+hubs suite's profile reaching its hubs and emulators, and the plan's prediction beside each run.
+Unit level: no processes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from edge.client import TargetInfo
+from scripts.bench import check_gpu_profile, replay
+from scripts.bench import hubs as bench_hubs
+from scripts.bench import run as bench_run
+from scripts.bench.common import BenchConfig
+from starsd import analytic
+from starsd.profile import ProfileError
+
+REPO = Path(__file__).resolve().parents[1]
+DRAFT = str(REPO / "profiles/published-h100-llama31-8b-eagle3-draft.json")
+TARGET = str(REPO / "profiles/published-h100-llama31-8b-target.json")
+PAIR = f"{DRAFT},{TARGET}"
+
+
+def test_missing_profile_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """Catches: a mistyped PROFILE path surfacing as a traceback from deep inside a hub or an
+    emulator (minutes into the run) instead of one line naming the file."""
+    missing = tmp_path / "nope-target.json"
+    with pytest.raises(ProfileError, match=re.escape(str(missing))):
+        replay.parse_pair(f"{DRAFT},{missing}")
+
+
+def test_non_profile_file_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """Catches: a benchmark result (valid JSON, not a profile) accepted as a profile."""
+    other = tmp_path / "bench-scale.json"
+    other.write_text(json.dumps({"runs": []}))
+    with pytest.raises(ProfileError, match=re.escape(f"{other}: schema")):
+        replay.parse_pair(f"{other},{TARGET}")
+
+
+def test_draft_profile_given_as_target_is_refused() -> None:
+    """Catches: the two files swapped or doubled (a draft profile's grid read as a target's),
+    which would fail later on a missing ``step_ms`` or replay the wrong costs."""
+    with pytest.raises(ProfileError, match=re.escape(f"{DRAFT}: kind: 'draft', expected a target")):
+        replay.parse_pair(f"{DRAFT},{DRAFT}")
+    with pytest.raises(
+        ProfileError, match=re.escape(f"{TARGET}: kind: 'target', expected a draft")
+    ):
+        replay.parse_pair(f"{TARGET},{DRAFT}")
+
+
+@pytest.mark.parametrize("spec", [DRAFT, f"{DRAFT},", f"{DRAFT},{TARGET},{TARGET}"])
+def test_profile_needs_exactly_two_files(spec: str) -> None:
+    """Catches: PROFILE=D.json alone (or a trailing comma) silently replaying half a pair."""
+    with pytest.raises(ProfileError, match=re.escape("DRAFT.json,TARGET.json")):
+        replay.parse_pair(spec)
+
+
+@pytest.mark.parametrize("parse", [bench_run.parse_args, bench_hubs.parse_args])
+def test_suites_refuse_a_bad_profile_with_one_line(
+    parse: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: a suite that accepts a bad --profile and starts its hubs anyway (the error
+    then lost in a hub's log): both suites stop at parsing, naming the file."""
+    missing = tmp_path / "missing.json"
+    args = ["--suite", "scale"] if parse is bench_run.parse_args else []
+    with pytest.raises(SystemExit) as exc:
+        parse([*args, "--profile", f"{DRAFT},{missing}"])
+    assert exc.value.code == 2
+    assert f"{missing}: cannot read" in capsys.readouterr().err
+
+
+def test_profile_option_fills_both_profiles() -> None:
+    """Catches: --profile parsed but never reaching the config the suites read."""
+    scale = bench_run.parse_args(["--suite", "scale", "--profile", PAIR])
+    hubs = bench_hubs.parse_args(["--profile", PAIR])
+    for cfg in (scale, hubs):
+        assert (cfg.draft_profile, cfg.target_profile) == (DRAFT, TARGET)
+
+
+def test_replayed_results_get_their_own_file() -> None:
+    """Catches: a profile run overwriting the committed CPU results (results/bench-scale.json)."""
+    assert replay.out_stem("bench-scale", "", "") == "bench-scale"
+    assert replay.out_stem("bench-scale", DRAFT, TARGET) == "bench-scale-published-h100-llama31-8b"
+    assert replay.out_stem("bench-hubs", "a/x-draft.json", "") == "bench-hubs-x-draft"
+    assert replay.pair_name("d/abc.json", "t/xyz.json") == "abc+xyz"
+
+
+def _hubs_cfg() -> bench_hubs.HubsConfig:
+    return bench_hubs.HubsConfig(draft_profile=DRAFT, target_profile=TARGET)
+
+
+def test_hubs_suite_passes_the_draft_profile_to_both_hubs(tmp_path: Path) -> None:
+    """Catches: the hubs suite's hubs drafting with the draft LLM while its emulators follow
+    the target profile (a replay of half the pair), or only one hub replaying."""
+    hubs = bench_hubs.sweep_hubs(_hubs_cfg(), tmp_path, ({0}, {1}))
+    assert set(hubs) == {"a", "b"}
+    for _, args, _ in hubs.values():
+        i = args.index("--draft-kind")
+        assert args[i : i + 4] == ["--draft-kind", "emulated", "--draft-profile", DRAFT]
+    plain = bench_hubs.sweep_hubs(bench_hubs.HubsConfig(), tmp_path, ({0}, {1}))
+    assert all("--draft-kind" not in args for _, args, _ in plain.values())
+
+
+class _Procs:
+    """Records what would have been started."""
+
+    def __init__(self) -> None:
+        self.started: list[list[str]] = []
+
+    def start(self, args: list[str], log: Path, cpus: Any = None) -> object:
+        self.started.append(args)
+        return object()
+
+
+def test_hubs_suite_passes_the_target_profile_to_its_emulators(tmp_path: Path) -> None:
+    """Catches: emulated targets verifying at --verify-ms (8 ms) instead of the profile's
+    V(1, g) while the hubs replay the draft profile."""
+    procs: Any = _Procs()
+    info = TargetInfo("bench-hubs", 100, "fp")
+    bench_hubs.start_emulator(_hubs_cfg(), procs, tmp_path, info, ["A", "B"], 4, {0}, "two-4-0")
+    (args,) = procs.started
+    assert args[args.index("--profile") + 1] == TARGET
+    plain = bench_hubs.HubsConfig()
+    bench_hubs.start_emulator(plain, procs, tmp_path, info, ["A"], 4, {0}, "one-4-0")
+    assert "--profile" not in procs.started[-1]
+
+
+def _record(mode: str, n: int, tok_s: float) -> dict[str, Any]:
+    return {"mode": mode, "n_targets": n, "system_tokens_per_s": tok_s}
+
+
+def test_hubs_plan_check_sums_each_hubs_share(tmp_path: Path) -> None:
+    """Catches: the plan for two hubs taken as one hub with all N targets (it would predict
+    no gain from the second hub) and an error measured against the wrong prediction."""
+    cfg = _hubs_cfg()
+    runs = [_record("one-hub", 16, 1000.0), _record("two-hubs", 16, 1800.0)]
+    check = replay.hubs_check({"runs": runs}, cfg, tmp_path)
+    assert check is not None and check["link_ms"] == 0.0
+    inputs = replay.plan_inputs(replay.load_pair(DRAFT, TARGET), cfg.alpha, 0.0, 4, cfg.gamma)
+    one = analytic.predict(inputs, 16).system_tokens_per_s
+    two = 2 * analytic.predict(inputs, 8).system_tokens_per_s
+    assert runs[0]["plan_predicted_system_tokens_per_s"] == pytest.approx(one)
+    assert runs[1]["plan_predicted_system_tokens_per_s"] == pytest.approx(two)
+    assert check["max_prediction_error"] == pytest.approx(
+        max(abs(1000 / one - 1), abs(1800 / two - 1))
+    )
+    assert check["plan_saturated_ratio"] == pytest.approx(two / one)
+    assert replay.hubs_check({"runs": []}, bench_hubs.HubsConfig(), tmp_path) is None
+
+
+def test_scale_plan_check_follows_each_runs_hub_and_gamma() -> None:
+    """Catches: the one-at-a-time hub predicted with batching, a fixed-gamma run predicted at
+    the sweep's gamma, or the auto hub at a fixed one."""
+    cfg = BenchConfig("scale", "target", "draft", draft_profile=DRAFT, target_profile=TARGET)
+    runs = [
+        _record("emulated-one-at-a-time", 32, 100.0),
+        _record("emulated-batched", 32, 100.0),
+        _record("gamma-fixed-2", 8, 100.0),
+        _record("gamma-auto", 8, 100.0),
+        _record("standalone", 1, 100.0),
+    ]
+    check = replay.scale_check({"runs": runs, "link_round_ms": 1.0}, cfg)
+    assert check is not None
+    pair = replay.load_pair(DRAFT, TARGET)
+    at = replay.plan_inputs
+    want = [
+        analytic.predict(at(pair, cfg.alpha, 1e-3, 1, cfg.gamma), 32),
+        analytic.predict(at(pair, cfg.alpha, 1e-3, cfg.max_batch, cfg.gamma), 32),
+        analytic.predict(at(pair, cfg.alpha, 1e-3, cfg.max_batch, 2), 8),
+        analytic.auto_gamma(at(pair, cfg.alpha, 1e-3, cfg.max_batch, cfg.gamma), 8, 16)[1],
+    ]
+    for record, p in zip(runs, want, strict=False):
+        assert record["plan_predicted_system_tokens_per_s"] == pytest.approx(p.system_tokens_per_s)
+    assert "plan_error" not in runs[-1]
+    assert check["max_prediction_error"] == pytest.approx(runs[1]["plan_error"])
+    assert want[0].system_tokens_per_s < want[1].system_tokens_per_s
+
+
+def test_check_gpu_profile_skips_cleanly_without_cuda(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: make check-gpu failing (or profiling on the CPU under a cuda name) on a machine
+    without CUDA: one line, exit 0, nothing written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    plan = tmp_path / "plan.json"
+    assert check_gpu_profile.main(["--out-dir", str(tmp_path), "--plan", str(plan)]) == 0
+    assert capsys.readouterr().out.strip() == check_gpu_profile.SKIP_LINE
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_check_gpu_profile_profiles_and_plans_on_cuda(tmp_path: Path) -> None:
+    """Catches: the CUDA profiles or the plan from them failing on a GPU machine (a cell not
+    synchronised, a profile the planner refuses)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    plan = tmp_path / "plan-cuda.json"
+    assert check_gpu_profile.main(["--out-dir", str(tmp_path), "--plan", str(plan)]) == 0
+    written = json.loads(plan.read_text())
+    assert written["sizing"]["kinds"]
+    for path in tmp_path.glob("measured-cuda-*.json"):
+        assert json.loads(path.read_text())["machine"]["device"].startswith("cuda")
