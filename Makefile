@@ -32,6 +32,9 @@ help:
 	@echo "make eagle-head  train + evaluate the EAGLE-1 head -> models/starsd-eagle (~5 min)"
 	@echo "make eagle3-head train an EAGLE-3 head for the toy target, compared with EAGLE-1 and the"
 	@echo "                 draft LLM in the hub's proposers -> models/starsd-eagle3 (~25 min)"
+	@echo "make real-eagle-heads  EAGLE-3 and EAGLE-1 heads for SmolLM2 on its self-distilled chats (same"
+	@echo "                 data and steps), compared with its draft LLM in the hub's proposers ->"
+	@echo "                 models/smollm2-eagle3, models/smollm2-eagle (~60 min, data included)"
 	@echo "make bench       all modes side by side, one hub batched vs --max-batch 1, one hub + one target vs"
 	@echo "                 transformers' assisted generation, pre-draft hit rate -> results/bench.json + .png  [QUICK=1]"
 	@echo "make bench-scale emulated targets up to N=256 (QUICK 128), one-at-a-time vs batched hub, N_full, S(B),"
@@ -116,6 +119,12 @@ eagle-head: $(STAMP)
 
 eagle3-head: $(STAMP)
 	$(BIN)/python -m scripts.train.train_eagle3_head
+
+# The self-distillation data is made once (and shared with `make real-draft`).
+.PHONY: real-eagle-heads
+real-eagle-heads: $(READY)
+	@test -f .cache/real-draft/data.pt || $(BIN)/python -m scripts.train.real_data
+	$(BIN)/python -m scripts.train.train_eagle3_head --recipe real
 
 bench: $(READY)
 	$(BIN)/python -m scripts.bench.run --suite main $(BENCH_ARGS)

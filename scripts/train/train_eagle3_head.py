@@ -2,6 +2,10 @@
 the EAGLE-1 head and the draft LLM.
 
     .venv/bin/python -m scripts.train.train_eagle3_head [--steps 3000] [--ttt-steps 3]
+    .venv/bin/python -m scripts.train.train_eagle3_head --recipe real  # SmolLM2's heads
+
+(``--recipe real``: :mod:`scripts.train.real_eagle_heads`, the real target's EAGLE-3 and
+EAGLE-1 heads on its self-distilled chat data; what follows is the toy recipe.)
 
 Data: the EAGLE-1 recipe's pool (``eagle_head_data.build_pool``: real windows of the training
 plays and the target's own greedy and sampled continuations; the same seeds, so the same
@@ -21,6 +25,7 @@ per round.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -39,6 +44,7 @@ from scripts.train.eagle_head_data import EagleTrainConfig, build_pool
 from scripts.train.eval_models import encode_works, evenly_spaced
 from scripts.train.shakespeare_corpus import load_corpus
 from scripts.train.train_default_pair import TrainConfig, optimise_step, optimiser
+from scripts.train.train_eagle_head import masked_mean, sample_batch
 from starsd import models
 from starsd.hub.build import load_proposer
 from starsd.hub.config import HubConfig
@@ -101,30 +107,43 @@ def tapped_features(
     layers: tuple[int, ...],
     vocab: DraftVocab | None,
     batch: int = 32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's hidden states at ``layers`` side by side [N, T, 3H] and its logits over
-    the draft vocabulary [N, T, K], both float16 (to fit in memory)."""
-    feats, logits = [], []
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One teacher-forced forward of the target over ``tokens`` [N, T]: its hidden states at
+    ``layers`` side by side [N, T, 3H], its logits over the draft vocabulary [N, T, K] and its
+    post-norm last hidden state [N, T, H] (EAGLE-1's feature), all float16 (to fit in memory).
+
+    The logits are the LM head's rows of the draft vocabulary only: the full head's columns
+    outside it would be computed and thrown away.
+    """
+    head = target.get_output_embeddings().weight
+    rows = head if vocab is None else head[vocab.d2t]  # [K, H]
+    feats, logits, last = [], [], []
     for start in tqdm(range(0, tokens.shape[0], batch), desc="features"):
-        out = target(input_ids=tokens[start : start + batch], output_hidden_states=True)
+        out = target.model(input_ids=tokens[start : start + batch], output_hidden_states=True)
+        final = out.hidden_states[-1]  # after the final norm: lm_head(final) are the logits
         feats.append(torch.cat([out.hidden_states[i] for i in layers], dim=-1).half())
-        logits.append((out.logits if vocab is None else out.logits[..., vocab.d2t]).half())
-    return torch.cat(feats), torch.cat(logits)
+        logits.append(F.linear(final, rows).half())
+        last.append(final.half())
+    return torch.cat(feats), torch.cat(logits), torch.cat(last)
 
 
 def ttt_loss(
-    head: Eagle3Head, outs: list[torch.Tensor], teacher: torch.Tensor
+    head: Eagle3Head,
+    outs: list[torch.Tensor],
+    teacher: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sum over passes k of 0.8 ** k x soft cross-entropy to ``teacher`` [B, n, K] (the
-    target's distribution over the draft vocabulary); rows j < k are left out of pass k."""
+    target's distribution over the draft vocabulary); rows j < k are left out of pass k, and
+    of the rest only those ``mask`` [B, n] keeps count (None: all)."""
     total = torch.zeros(())
     parts: dict[str, float] = {}
     for k, out in enumerate(outs):
         logq = F.log_softmax(head.logits(out[:, k:]).float(), dim=-1)
-        p = teacher[:, k:]
-        loss = -(p * logq).sum(-1).mean()
+        p, keep = teacher[:, k:], None if mask is None else mask[:, k:]
+        loss = masked_mean(-(p * logq).sum(-1), keep)
         total = total + STEP_DECAY**k * loss
-        parts[f"acc{k}"] = (logq.argmax(-1) == p.argmax(-1)).float().mean().item()
+        parts[f"acc{k}"] = masked_mean((logq.argmax(-1) == p.argmax(-1)).float(), keep).item()
         parts[f"ce{k}"] = loss.item()
     return total, parts
 
@@ -134,8 +153,13 @@ def train(
     data: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     embed: torch.Tensor,
     config: Eagle3TrainConfig,
+    mask: torch.Tensor | None = None,
 ) -> list[dict[str, float]]:
-    """AdamW over seeded batches of the pool; returns each step's loss parts."""
+    """AdamW over seeded batches of the pool; returns each step's loss parts.
+
+    ``mask`` [N, T] (None: every position): the positions t whose next-token distribution
+    (the target's logits at t) is trained on.
+    """
     pool, feats, logits = data
     opt, schedule = optimiser(
         head, config.lr, replace(TrainConfig(), warmup_steps=config.warmup_steps), config.steps
@@ -145,11 +169,13 @@ def train(
     head.train()
     bar = tqdm(range(config.steps), desc="eagle3", unit="step")
     for _ in bar:
-        rows = torch.randint(0, pool.shape[0], (config.batch_size,), generator=generator)
+        rows, width = sample_batch(generator, pool.shape[0], config.batch_size, mask)
+        tokens, taps = pool[rows, :width], feats[rows, :width].float()
         # pair j = (g_j, x_{j+1}) predicts x_{j+2}: the target's logits at position j + 1
-        teacher_logits = logits[rows, 1:].float()  # over the draft vocabulary
-        outs = head.unrolled(pool[rows, 1:], feats[rows, :-1].float(), embed, config.ttt_steps)
-        loss, parts = ttt_loss(head, outs, F.softmax(teacher_logits, dim=-1))
+        teacher_logits = logits[rows, 1:width].float()  # over the draft vocabulary
+        keep = None if mask is None else mask[rows, 1:width]
+        outs = head.unrolled(tokens[:, 1:], taps[:, :-1], embed, config.ttt_steps)
+        loss, parts = ttt_loss(head, outs, F.softmax(teacher_logits, dim=-1), keep)
         optimise_step(loss, head, opt, schedule)
         history.append({"loss": loss.item(), **parts})
         bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{parts['acc0']:.3f}")
@@ -164,20 +190,26 @@ def heldout_prompts(target: models.LoadedModel, config: Eagle3TrainConfig) -> li
     return evenly_spaced(stream, config.eval_prompts, config.prompt_tokens)
 
 
-def compare(config: Eagle3TrainConfig, target: models.LoadedModel) -> dict[str, Any]:
-    """Accepted drafts per round and draft seconds per round of every drafter, per gamma."""
-    prompts = heldout_prompts(target, config)
-    drafters = {
-        "eagle3": HubConfig(
-            model=str(config.out_dir), draft_kind="eagle3", target=str(config.target_dir)
-        ),
-        "eagle": HubConfig(
-            model=str(config.eagle1_dir), draft_kind="eagle", target=str(config.target_dir)
-        ),
+def drafters(config: Eagle3TrainConfig) -> dict[str, HubConfig]:
+    """The hub configs of the three drafters compared: EAGLE-3, EAGLE-1, the draft LLM."""
+    target = str(config.target_dir)
+    return {
+        "eagle3": HubConfig(model=str(config.out_dir), draft_kind="eagle3", target=target),
+        "eagle": HubConfig(model=str(config.eagle1_dir), draft_kind="eagle", target=target),
         "llm": HubConfig(model=str(config.draft_dir)),
     }
+
+
+def compare(
+    config: Eagle3TrainConfig,
+    target: models.LoadedModel,
+    prompts: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """Accepted drafts per round and draft seconds per round of every drafter, per gamma, on
+    ``prompts`` (None: the held-out plays')."""
+    prompts = heldout_prompts(target, config) if prompts is None else prompts
     out: dict[str, Any] = {}
-    for name, hub_config in drafters.items():
+    for name, hub_config in drafters(config).items():
         proposer, _ = load_proposer(hub_config)
         for g in (int(x) for x in config.gammas.split(",")):
             cfg = BenchConfig(
@@ -239,8 +271,20 @@ def model_card(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Build the data, train, save, compare; write the JSON report."""
-    config = parse_config(Eagle3TrainConfig, __doc__, argv)
+    """Build the data, train, save, compare; write the JSON report.
+
+    ``--recipe real`` runs :mod:`scripts.train.real_eagle_heads` instead (the real target's
+    EAGLE-3 and EAGLE-1 heads); the other flags are then that recipe's.
+    """
+    picker = argparse.ArgumentParser(add_help=False)
+    picker.add_argument("--recipe", choices=("toy", "real"), default="toy")
+    chosen, rest = picker.parse_known_args(argv)
+    if chosen.recipe == "real":
+        from scripts.train import real_eagle_heads  # it builds on this module
+
+        real_eagle_heads.main(rest)
+        return
+    config = parse_config(Eagle3TrainConfig, __doc__, rest)
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     began = time.perf_counter()
@@ -250,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     stream = torch.tensor(encode_works(target.tokenizer, [text for _, text in corpus.train]))
     pool = build_pool(target.model, stream, EagleTrainConfig(), target.tokenizer.bos_token_id)
     head_cfg = head_config(target.model, vocab)
-    feats, logits = tapped_features(target.model, pool, head_cfg.layer_ids, vocab)
+    feats, logits, _ = tapped_features(target.model, pool, head_cfg.layer_ids, vocab)
     prepared = time.perf_counter()
     head = Eagle3Head(head_cfg)
     embed = target.model.get_input_embeddings().weight.detach()

@@ -93,13 +93,36 @@ def noisy(
     return features + noise * scale
 
 
+def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of ``values`` over the entries ``mask`` (same shape) keeps; None: all of them."""
+    if mask is None:
+        return values.mean()
+    weights = mask.to(values.dtype)
+    return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def sample_batch(
+    generator: torch.Generator, count: int, batch: int, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, int | None]:
+    """Seeded rows of the pool and the columns they need: up to the last position ``mask``
+    trains in any of them (right-padded sequences of unequal length); None: all columns."""
+    rows = torch.randint(0, count, (batch,), generator=generator)
+    if mask is None:
+        return rows, None
+    return rows, int(mask[rows].any(0).nonzero().max()) + 1
+
+
 def head_loss(
     outs: list[torch.Tensor],
     features: torch.Tensor,
     lm_head: torch.Tensor,
     config: EagleTrainConfig,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Feature SmoothL1 + logit_weight x KL(target || head), averaged over the unrolled passes."""
+    """Feature SmoothL1 + logit_weight x KL(target || head), averaged over the unrolled passes.
+
+    ``mask`` [B, n-1] (None: all): the pairs j whose targets f_{j+1} are trained on.
+    """
     target_f = features[:, 1:]  # [B, n-1, H], f_{j+1}
     teacher = F.log_softmax(logits_from_features(target_f, lm_head), dim=-1)  # [B, n-1, V]
     total = torch.zeros(())
@@ -107,13 +130,12 @@ def head_loss(
     for p, out in enumerate(outs):
         pred = out[:, p:]  # rows j >= p predict f_{j+1}
         goal, soft = target_f[:, p:], teacher[:, p:]
-        vloss = F.smooth_l1_loss(pred, goal)
+        keep = None if mask is None else mask[:, p:]
+        vloss = masked_mean(F.smooth_l1_loss(pred, goal, reduction="none").mean(-1), keep)
         student = F.log_softmax(logits_from_features(pred, lm_head), dim=-1)
-        kl = F.kl_div(
-            student.flatten(0, 1), soft.flatten(0, 1), log_target=True, reduction="batchmean"
-        )
+        kl = masked_mean(F.kl_div(student, soft, log_target=True, reduction="none").sum(-1), keep)
         total = total + config.feature_weight * vloss + config.logit_weight * kl
-        agree = (student.argmax(-1) == soft.argmax(-1)).float().mean()
+        agree = masked_mean((student.argmax(-1) == soft.argmax(-1)).float(), keep)
         parts.update({f"v{p}": vloss.item(), f"kl{p}": kl.item(), f"acc{p}": agree.item()})
     return total / len(outs), parts
 
@@ -124,8 +146,13 @@ def train_head(
     features: torch.Tensor,
     target_weights: tuple[torch.Tensor, torch.Tensor],
     config: EagleTrainConfig,
+    mask: torch.Tensor | None = None,
 ) -> list[dict[str, float]]:
-    """AdamW on the head over seeded pool batches; returns per-step loss parts."""
+    """AdamW on the head over seeded pool batches; returns per-step loss parts.
+
+    ``mask`` [N, T] (None: every position): the positions t whose next-token distribution is
+    trained on (the target's feature f_t is the goal of pair t - 1).
+    """
     embed, lm_head = target_weights
     schedule_config = replace(
         TrainConfig(), warmup_steps=config.warmup_steps, weight_decay=config.weight_decay
@@ -134,15 +161,16 @@ def train_head(
     generator = torch.Generator().manual_seed(config.seed + 5)
     head.train()
     history: list[dict[str, float]] = []
-    bar = tqdm(range(config.steps), desc="head", unit="step")
+    bar = tqdm(range(config.steps), desc="eagle1", unit="step")
     for _ in bar:
-        rows = torch.randint(0, pool.shape[0], (config.batch_size,), generator=generator)
-        tokens, feats = pool[rows], features[rows]  # [B, T], [B, T, H]
+        rows, width = sample_batch(generator, pool.shape[0], config.batch_size, mask)
+        tokens, feats = pool[rows, :width], features[rows, :width].float()  # [B, T], [B, T, H]
+        keep = None if mask is None else mask[rows, 1:width]
         # pair j = (f_j, x_{j+1}); the last position has no next token
         outs = head.unrolled(
             tokens[:, 1:], noisy(feats[:, :-1], config, generator), embed, config.depth
         )
-        loss, parts = head_loss(outs, feats, lm_head, config)
+        loss, parts = head_loss(outs, feats, lm_head, config, keep)
         optimise_step(loss, head, opt, schedule)
         history.append({"loss": loss.item(), **parts})
         bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{parts['acc0']:.3f}")

@@ -1,0 +1,48 @@
+"""The real target's committed EAGLE-3 head (models/smollm2-eagle3): lossless through the hub.
+
+The target directory is made by ``make install`` (``scripts.train.real_target``); without it
+these tests skip. The head is committed (``make real-eagle-heads``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_eagle_hub import _eagle_rounds, greedy_alone
+
+from edge.backends.torch import TorchBackend
+from edge.verifier import TargetSequence
+from starsd import hub as hub_module
+from starsd import models
+from starsd.protocol import SamplingParams
+
+TARGET_DIR = models.PAIRS["smollm2"][0]
+HEAD_DIR = TARGET_DIR.parent / "smollm2-eagle3"
+CHATS = ["What is an owl?", "Give me three facts about kites."]
+NEW_TOKENS = 24
+
+pytestmark = pytest.mark.skipif(
+    not (TARGET_DIR / "config.json").is_file(), reason=f"{TARGET_DIR}: run `make install` first"
+)
+
+
+@pytest.mark.slow
+def test_greedy_through_the_real_eagle3_head_equals_the_target_alone() -> None:
+    """Catches a real-width head that drafts in draft ids proposed as target ids, taps the
+    wrong layers of a 30-layer target, or loses its place after a verdict: greedy chat answers
+    through the hub's EAGLE-3 proposer equal transformers' ``generate()`` (float32) token for
+    token, and the head's drafts are accepted."""
+    config = hub_module.HubConfig(
+        model=str(HEAD_DIR), draft_kind="eagle3", target=str(TARGET_DIR), threads=1
+    )
+    hub = hub_module.build_hub(config)
+    target = models.load_causal_lm(TARGET_DIR)
+    backend = TorchBackend(target)
+    rounds: list[int] = []
+    for question in CHATS:
+        prompt = models.chat_prompt_ids(target, [{"role": "user", "content": question}])
+        seq = TargetSequence(
+            backend, prompt, SamplingParams(), NEW_TOKENS, taps=hub.proposer.feature_layers
+        )
+        rounds += _eagle_rounds(hub, seq, 4)
+        assert seq.generated == greedy_alone(target, prompt, NEW_TOKENS), question
+    assert sum(rounds) > 0, rounds  # the head's drafts are used, not all rejected
