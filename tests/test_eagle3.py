@@ -384,15 +384,19 @@ def test_targets_through_an_eagle3_hub_survive_a_killed_peer_and_a_hub_restart(
 
     head = write_head(tmp_path / "head", target_dir, head_state(target_dir))
     bind = f"tcp://127.0.0.1:{free_port()}"
-    args = ("--draft-kind", "eagle3", "--target", str(target_dir))
+    # (a short heartbeat: the targets rejoin the restarted hub within 0.2 s, while they still
+    # have prompts to open sessions for; alone, the toy target decodes 160 tokens in 0.2 s)
+    args = ("--draft-kind", "eagle3", "--target", str(target_dir), "--heartbeat-s", "0.2")
     hub = HubProcess(head, tmp_path / "hub.log", *args, bind=bind)
     assert "EAGLE-3 head" in hub.text() and "[0, 1, 2]" in hub.text()
-    prompts = [f"{w} the winter of" for w in ("To be", "or not", "Now is", "a", "b c", "d")]
+    words = ("To be", "or not", "Now is", "a", "b c", "d", "e f", "g", "h i", "j", "k", "l m")
+    prompts = [f"{w} the winter of" for w in words]
+    per = len(prompts) // 3
     targets = [
         TargetProcess(
             hub.endpoint,
             target_dir,
-            write_prompts(tmp_path / f"in{i}.jsonl", prompts[2 * i : 2 * i + 2]),
+            write_prompts(tmp_path / f"in{i}.jsonl", prompts[per * i : per * (i + 1)]),
             tmp_path / f"out{i}.jsonl",
             "--gamma",
             "3",
@@ -414,7 +418,7 @@ def test_targets_through_an_eagle3_hub_survive_a_killed_peer_and_a_hub_restart(
     wait_for(restarted.log_path, r"rounds=[1-9]", restarted.proc)  # sessions re-opened there
     for i, t in enumerate(targets[:2]):
         rows = t.wait()
-        assert [r["prompt"] for r in rows] == prompts[2 * i : 2 * i + 2]  # none lost
+        assert [r["prompt"] for r in rows] == prompts[per * i : per * (i + 1)]  # none lost
         for row in rows:
             assert row["token_ids"] == reference(target_dir, row["prompt"], 160), row["prompt"]
     assert restarted.stop() == 0
