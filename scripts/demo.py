@@ -46,6 +46,7 @@ class DemoConfig:
     target: str
     draft: str
     pair: str = "toy"  # smollm2: one target on REAL_ROWS; toy: one hub for several targets
+    draft_kind: str = "llm"  # the hub's --draft-kind (the pair's default drafter)
     targets: int = 3
     prompts_per_target: int = 2
     max_new_tokens: int = 64
@@ -221,7 +222,8 @@ def run(config: DemoConfig) -> int:
             base = run_phase(config, procs, inputs, work, hub=None)
             print(f"[{config.pair} 2/2] one hub + {n} target(s) (StarSD) ...", flush=True)
             gamma = ["--gamma", str(config.gamma)] if config.pair == "toy" else []
-            hub, endpoint = start_hub(procs, config.draft, work / "hub.log", *gamma)
+            kind = ["--draft-kind", config.draft_kind, "--target", config.target]
+            hub, endpoint = start_hub(procs, config.draft, work / "hub.log", *gamma, *kind)
             spec = run_phase(config, procs, inputs, work, hub=endpoint)
             hub.send_signal(signal.SIGTERM)
             hub.wait(timeout=30)
@@ -260,10 +262,12 @@ def parse_args(argv: list[str] | None = None) -> list[DemoConfig]:
     pairs = ["smollm2", "toy"] if args["pair"] == "both" else [args["pair"]]
     out = Path(args.pop("out"))
     del args["pair"]
+    drafters = {name: next(iter(models.DRAFTERS[name].items())) for name in pairs}
     return [
         DemoConfig(
             target=str(models.PAIRS[name][0]),
-            draft=str(models.PAIRS[name][1]),
+            draft=str(drafters[name][1]),
+            draft_kind=drafters[name][0],
             pair=name,
             out=str(out.with_name(f"{out.stem}-{name}{out.suffix}")),
             **args,

@@ -27,11 +27,26 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 FORWARDS = ("auto", "transformers")
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _MODELS = _REPO_ROOT / "models"
-# (target, draft) directories by name. smollm2: SmolLM2-135M-Instruct (made by `make install`)
-# and the draft trained for it; toy: the committed 3.5M/0.6M pair the fast tests run on.
+# (target, draft LLM) directories by name. smollm2: SmolLM2-135M-Instruct (made by `make
+# install`) and the draft trained for it; toy: the committed 3.5M/0.6M pair the fast tests run on.
 PAIRS = {
     "smollm2": (_MODELS / "smollm2-135m-instruct", _MODELS / "smollm2-draft"),
     "toy": (_MODELS / "starsd-target", _MODELS / "starsd-draft"),
+}
+# Each pair's drafters by --draft-kind; the first is the hub's default for the pair: the one that
+# ran fastest through one hub on the real pair (make bench-real: the EAGLE-3 head 1.10x the
+# target alone, the draft LLM 0.98x).
+DRAFTERS = {
+    "smollm2": {
+        "eagle3": _MODELS / "smollm2-eagle3",
+        "llm": _MODELS / "smollm2-draft",
+        "eagle": _MODELS / "smollm2-eagle",
+    },
+    "toy": {
+        "llm": _MODELS / "starsd-draft",
+        "eagle": _MODELS / "starsd-eagle",
+        "eagle3": _MODELS / "starsd-eagle3",
+    },
 }
 DEFAULT_PAIR = "smollm2"
 DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR = PAIRS[DEFAULT_PAIR]
@@ -446,3 +461,12 @@ def chat_prompt_ids(loaded: LoadedModel, messages: list[dict[str, str]]) -> list
         raise ValueError(f"the chat template refused the messages: {exc}") from None
     ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
     return [int(i) for i in ids]
+
+
+def default_drafter(pair: str, kind: str | None, model: str | None) -> tuple[str, str]:
+    """The hub's (draft kind, model) for ``pair`` given what was asked: neither, the pair's
+    default drafter; a model alone, a draft LLM; a kind alone, the pair's model of that kind
+    (the kinds without a model, null and emulated, read the draft LLM's tokenizer)."""
+    drafters = DRAFTERS[pair]
+    kind = kind or (next(iter(drafters)) if model is None else "llm")
+    return kind, model or str(drafters.get(kind, PAIRS[pair][1]))

@@ -285,3 +285,21 @@ def test_max_batch_below_one_is_refused_at_start(value: str, capsys: pytest.Capt
         parse_args(["--max-batch", value])
     assert exited.value.code == 2
     assert f"--max-batch must be at least 1, got {value}" in capsys.readouterr().err
+
+
+def test_the_hub_drafts_with_its_pairs_default_drafter_unless_told() -> None:
+    """Catches a hub whose defaults ignore the pair's default drafter (the real pair's EAGLE-3
+    head, 1.10x against its draft LLM's 0.98x through one hub), a --model alone taken for
+    anything but a draft LLM (every script that names a draft directory relies on it), an
+    EAGLE head started without its target, and a model-less kind (null) left without the
+    tokenizer it reads."""
+    from starsd.hub.__main__ import parse_args
+
+    real = parse_args([])
+    assert real.draft_kind == "eagle3" and real.model.endswith("smollm2-eagle3")
+    assert real.target is not None and real.target.endswith("smollm2-135m-instruct")
+    assert parse_args(["--pair", "toy"]).model.endswith("starsd-draft")
+    named = parse_args(["--model", "models/smollm2-draft"])
+    assert (named.draft_kind, named.target) == ("llm", None)
+    assert parse_args(["--draft-kind", "llm"]).model.endswith("smollm2-draft")
+    assert models.default_drafter("toy", "null", None) == ("null", str(models.TOY_DRAFT_DIR))

@@ -20,7 +20,11 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p = argparse.ArgumentParser(
         prog="python -m starsd.hub", description="StarSD draft hub: one ROUTER, many targets"
     )
-    p.add_argument("--model", help="draft model dir or hub id (default: the draft of --pair)")
+    p.add_argument(
+        "--model",
+        help="draft model dir or hub id (default: the --pair's drafter of --draft-kind; "
+        "without either, its default drafter: the EAGLE-3 head for smollm2)",
+    )
     p.add_argument(
         "--pair",
         default=models.DEFAULT_PAIR,
@@ -55,9 +59,10 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     p.add_argument("--stats-interval", type=float, default=HubConfig.stats_interval)
     p.add_argument(
         "--draft-kind",
-        default=HubConfig.draft_kind,
+        default=None,
         choices=KINDS,
-        help="llm: a draft causal LM (--model); eagle: an EAGLE-1 head (--model) on "
+        help="(default: the --pair's default drafter, or llm with --model) "
+        "llm: a draft causal LM (--model); eagle: an EAGLE-1 head (--model) on "
         "the target's embedding and LM head (--target); eagle3: an EAGLE-3 head (--model, "
         "EAGLE's or speculators' layout) for --target; null: no model work; emulated: no "
         "model work, each batch taking S(B, g) of --draft-profile (--model: its tokenizer)",
@@ -129,10 +134,7 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
         help="allow plain text on a non-loopback --bind (trusted networks only)",
     )
     args = p.parse_args(argv)
-    pair = args.__dict__.pop("pair")
-    args.model = args.model or str(models.PAIRS[pair][1])
-    if args.draft_kind in ("eagle", "eagle3") and args.target is None:
-        args.target = str(models.PAIRS[pair][0])
+    _resolve_drafter(args)
     if (args.draft_kind == "emulated") != (args.draft_profile is not None):
         p.error("--draft-kind emulated and --draft-profile go together")
     if args.max_batch < 1:
@@ -149,6 +151,14 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     if (config.curve_secret is None) != (config.allow_dir is None):
         p.error("--curve-secret and --allow-dir go together")
     return config
+
+
+def _resolve_drafter(args: argparse.Namespace) -> None:
+    """The drafter (kind, model, and an EAGLE head's target) from --pair and what was given."""
+    pair = args.__dict__.pop("pair")
+    args.draft_kind, args.model = models.default_drafter(pair, args.draft_kind, args.model)
+    if args.draft_kind in ("eagle", "eagle3") and args.target is None:
+        args.target = str(models.PAIRS[pair][0])
 
 
 def _gamma(text: str) -> int | str:
