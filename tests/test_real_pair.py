@@ -171,7 +171,9 @@ def test_both_sides_default_to_the_real_pair_and_the_toy_pair_is_one_flag_away()
     from starsd.hub.__main__ import parse_args as hub_args
 
     toy_target, toy_draft = models.PAIRS["toy"]
-    assert hub_args([]).model == str(DRAFT_DIR)
+    real = hub_args([])  # the real pair's default drafter: its EAGLE-3 head on its target
+    assert (real.draft_kind, real.model) == ("eagle3", str(models.DRAFTERS["smollm2"]["eagle3"]))
+    assert real.target == str(TARGET_DIR)
     assert hub_args(["--pair", "toy"]).model == str(toy_draft)
     assert hub_args(["--pair", "toy", "--draft-kind", "eagle"]).target == str(toy_target)
     assert target_args(["--prompt", "x"]).model == str(TARGET_DIR)
