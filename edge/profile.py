@@ -16,25 +16,18 @@ The PINGs are paced (:data:`PING_INTERVAL_S`) to stay within the hub's per-peer 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from starsd import profile, protocol, transport
 from starsd.curve_client import CurveClientConfig
 
-Progress = Callable[[str], None]
 # A PING at most this often on one connection: the hub's default budget is 50 messages a second
 # per peer besides accepted DRAFTs (--peer-budget), and a probe over it would be throttled.
 PING_INTERVAL_S = 0.025
 Cell = tuple[int, int]  # (batch, new positions per row)
-
-
-def stderr_progress(line: str) -> None:
-    """The default progress: one line on stderr."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def measure_target(
@@ -45,7 +38,7 @@ def measure_target(
     gammas: Sequence[int],
     repeats: int,
     context: int = 128,
-    progress: Progress = stderr_progress,
+    progress: profile.Progress = profile.stderr_progress,
 ) -> dict[str, Any]:
     """A target profile's JSON object: T(B) and V(B, g) of ``model_dir`` on ``device``."""
     from edge.backends.torch import TorchBackend
@@ -68,7 +61,7 @@ def measure_target(
 
 
 def _time_forwards(
-    backend: Any, cells: Sequence[Cell], repeats: int, context: int, progress: Progress
+    backend: Any, cells: Sequence[Cell], repeats: int, context: int, progress: profile.Progress
 ) -> dict[Cell, list[float]]:
     """Seconds per forward of every (B, width) cell after the shared cached context."""
     import torch
@@ -101,7 +94,7 @@ def measure_link(
     repeats: int,
     curve: CurveClientConfig | None = None,
     timeout_s: float = 5.0,
-    progress: Progress = stderr_progress,
+    progress: profile.Progress = profile.stderr_progress,
 ) -> dict[str, Any]:
     """A link profile's JSON object: PING/PONG round trips to the hub at ``endpoint``."""
     began = time.perf_counter()
@@ -131,7 +124,7 @@ async def probe_link(
     repeats: int,
     curve: CurveClientConfig | None,
     timeout_s: float,
-    progress: Progress = stderr_progress,
+    progress: profile.Progress = profile.stderr_progress,
 ) -> tuple[list[float], list[float]]:
     """(round trips on one connection, connect + first round trips) in seconds, one of each
     per repeat; TimeoutError when a PONG does not come within ``timeout_s``."""

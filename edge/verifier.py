@@ -173,16 +173,19 @@ class TargetSequence:
         assert self.cache is not None
         gamma = len(drafts)
         p_logits = out.logits[-(gamma + 1) :]
-        if parents is None or tree.is_chain(parents):
+        chain = parents is None or tree.is_chain(parents)
+        if chain:
             accepted, token = self._judge(list(drafts), q_probs, p_logits)
             path = list(range(accepted))
-            out.cache.crop(self.cache.length + fed_before + accepted)
         else:
-            path, token = self._judge_tree(list(drafts), list(parents), q_probs, p_logits)
+            path, token = self._judge_tree(list(drafts), list(parents or ()), q_probs, p_logits)
             accepted = len(path)
-            out.cache.keep(self.cache.length, tree.kept_columns(fed_before, path))
-        self.cache = out.cache
         kept = tree.kept_columns(fed_before, path)
+        if chain:  # the kept columns are a prefix: a view, no copy
+            out.cache.crop(self.cache.length + len(kept))
+        else:
+            out.cache.keep(self.cache.length, kept)
+        self.cache = out.cache
         features = None if out.features is None else out.features[kept]
         self._keep_features(features, len(kept), taps)
         self.stats.target_forwards += 1

@@ -28,8 +28,9 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -393,3 +394,11 @@ def _check_batch_one(grid: dict[str, Any], where: str, names: Sequence[str]) -> 
         cells = grid[name] if isinstance(grid[name], list) else [grid[name]]
         if not any(c.get("batch", 1) == 1 for c in cells):
             raise ProfileError(f"{where}: grid.{name}: no batch 1 (the planner needs B = 1)")
+
+
+Progress = Callable[[str], None]  # where a measurement reports each step
+
+
+def stderr_progress(line: str) -> None:
+    """The measurements' default progress: one line on stderr."""
+    print(line, file=sys.stderr, flush=True)

@@ -11,7 +11,6 @@ synchronize.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,13 +20,6 @@ from starsd.hub.build import load_proposer
 from starsd.hub.config import HubConfig
 from starsd.hub.synthetic import FakeSessions, Session
 
-Progress = Callable[[str], None]
-
-
-def stderr_progress(line: str) -> None:
-    """The default progress: one line on stderr."""
-    print(line, file=sys.stderr, flush=True)
-
 
 def measure_draft(
     config: HubConfig,
@@ -35,7 +27,7 @@ def measure_draft(
     gammas: Sequence[int],
     repeats: int,
     context: int = 128,
-    progress: Progress = stderr_progress,
+    progress: profile.Progress = profile.stderr_progress,
 ) -> dict[str, Any]:
     """A draft profile's JSON object for ``config``'s drafter (its model, kind, device, dtype)."""
     began = time.perf_counter()
@@ -80,7 +72,7 @@ def _time_cells(
     cells: Sequence[tuple[int, int]],
     repeats: int,
     sync: Callable[[], None],
-    progress: Progress,
+    progress: profile.Progress,
 ) -> dict[tuple[int, int], list[float]]:
     """Seconds per ``propose`` call of every cell, ``repeats`` times, after one warm-up pass."""
     times: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
