@@ -52,6 +52,7 @@ class WorkItem:
     future: asyncio.Future[Any]
     drafts: Sequence[int] = ()
     q_probs: torch.Tensor | None = None  # [gamma, V] for a sampled VERIFY
+    parents: verifier.Parents = None  # a VERIFY of a token tree (None: the drafts are a chain)
 
     @property
     def group(self) -> str:
@@ -126,14 +127,19 @@ class Batcher:
         return token
 
     async def verify(
-        self, seq: TargetSequence, drafts: Sequence[int], q_probs: torch.Tensor | None
+        self,
+        seq: TargetSequence,
+        drafts: Sequence[int],
+        q_probs: torch.Tensor | None,
+        parents: verifier.Parents = None,
     ) -> tuple[int, list[int]]:
-        """Verify a proposal and commit; (accepted, appended) as :func:`verifier.verify_batch`.
+        """Verify a proposal (``parents``: a token tree's) and commit; (accepted, appended) as
+        :func:`verifier.verify_batch` (accepted: the length of a tree's accepted path).
 
         Raises ValueError for a proposal the verifier refuses (other rows are unaffected).
         """
         result: tuple[int, list[int]] = await self._submit(
-            WorkItem(VERIFY, seq, self._future(), drafts, q_probs)
+            WorkItem(VERIFY, seq, self._future(), drafts, q_probs, parents)
         )
         return result
 
@@ -268,7 +274,7 @@ def compute(backend: VerifierBackend, batch: Sequence[WorkItem]) -> tuple[list[A
     for n, item in enumerate(batch):
         try:
             if item.kind != PREFILL:
-                verifier.check_proposal(item.seq, item.drafts, item.q_probs)
+                verifier.check_proposal(item.seq, item.drafts, item.q_probs, item.parents)
             rows.append(n)
         except ValueError as exc:
             results[n] = exc
@@ -277,7 +283,9 @@ def compute(backend: VerifierBackend, batch: Sequence[WorkItem]) -> tuple[list[A
         return results, [PREFILL] * fed
     if rows:
         proposals = [(batch[n].seq, batch[n].drafts, batch[n].q_probs) for n in rows]
-        done = verifier.decode_batch(backend, proposals, [batch[n].kind == VERIFY for n in rows])
+        rounds = [batch[n].kind == VERIFY for n in rows]
+        shapes = [batch[n].parents for n in rows]
+        done = verifier.decode_batch(backend, proposals, rounds, shapes)
         for n, (accepted, appended) in zip(rows, done, strict=True):
             results[n] = appended[0] if batch[n].kind == STEP else (accepted, appended)
     return results, [batch[n].kind for n in rows]

@@ -30,6 +30,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -125,6 +126,8 @@ class TargetInfo:
     push: int = 0  # pushed branches per round its sessions take (Open.push; 0: none)
     # not sent: L when it can tap every hidden state 0..L (EAGLE-3), 0 only its last one
     layers: int = 0
+    # > 0: it verifies token trees of up to this many nodes (Hello.tree_nodes; 0: chains only)
+    tree_nodes: int = 0
 
 
 def push_for(params: SamplingParams, push: int, offered: int) -> int:
@@ -155,7 +158,8 @@ def checked_welcome(welcome: Welcome) -> tuple[Welcome, list[str]]:
     Raises HubError(INCOMPATIBLE) for what cannot be clamped: another protocol version, an
     epoch of the wrong size, a feature dtype the target cannot send. The heartbeat is clamped
     (a 0 would make the client PING in a tight loop), gammas into 0..limits.MAX_GAMMA, the
-    push offer into 0..limits.MAX_PUSH; load figures are clamped by :class:`HubLoad`.
+    push offer into 0..limits.MAX_PUSH, the tree offer into 0..limits.MAX_TREE_NODES; load
+    figures are clamped by :class:`HubLoad`.
     """
     if welcome.version != protocol.PROTOCOL_VERSION:
         raise HubError(ErrorCode.INCOMPATIBLE, f"protocol version {welcome.version}")
@@ -169,6 +173,7 @@ def checked_welcome(welcome: Welcome) -> tuple[Welcome, list[str]]:
         "max_gamma": max_gamma,
         "default_gamma": _clamp(welcome.default_gamma, 0, max_gamma),
         "push": _clamp(welcome.push, 0, limits.MAX_PUSH),
+        "tree_nodes": _clamp(welcome.tree_nodes, 0, limits.MAX_TREE_NODES),
     }
     changed = [
         f"{name} {getattr(welcome, name)} -> {value}"
@@ -253,6 +258,13 @@ class HubClient:
     def max_gamma(self) -> int:
         """The most draft tokens a proposal of this hub may carry (its WELCOME, clamped)."""
         return self.welcome.max_gamma if self.welcome is not None else limits.MAX_GAMMA
+
+    @property
+    def tree_nodes(self) -> int:
+        """The most nodes a token tree from this hub may hold: the smaller of what this target
+        announced and what the hub offered in WELCOME (clamped); 0 (chains only) while down."""
+        offered = self.welcome.tree_nodes if self.welcome is not None else 0
+        return max(0, min(self.info.tree_nodes, offered))
 
     def strike(self, reason: str) -> None:
         """The hub sent something no honest hub sends (a proposal the target refuses, an
@@ -341,7 +353,13 @@ class HubClient:
 
     def _hello_msg(self) -> Hello:
         info = self.info
-        return Hello(info.model, info.vocab_size, info.tokenizer, feature_width=info.feature_width)
+        return Hello(
+            info.model,
+            info.vocab_size,
+            info.tokenizer,
+            feature_width=info.feature_width,
+            tree_nodes=info.tree_nodes,
+        )
 
     def mark_down(self, reason: str) -> None:
         """Stop using the hub until a new WELCOME; sessions of this generation are void, and
@@ -446,12 +464,16 @@ class HubClient:
         appended: list[int],
         features: np.ndarray | None = None,
         taken: int = 0,
+        path: Sequence[int] | None = None,
     ) -> None:
         """Send the verdict on proposal ``seq - 1`` and ask for proposal ``seq`` (or, with
-        ``taken``, say that the pushed branch of that many tokens is proposal ``seq``)."""
+        ``taken``, say that the pushed branch of that many tokens is proposal ``seq``).
+        ``path``: the accepted path's nodes when proposal ``seq - 1`` was a token tree (empty
+        when none was accepted); None after a chain (Draft.path absent)."""
         ids = np.asarray(appended, dtype=np.int32)
+        nodes = None if path is None else np.asarray(path, dtype=np.int32).reshape(-1)
         self._grant(tag, 0 if taken else 1)
-        await transport.send(self.sock, Draft(tag, seq, accepted, ids, features, taken))
+        await transport.send(self.sock, Draft(tag, seq, accepted, ids, features, taken, path=nodes))
 
     def _grant(self, tag: bytes, proposals: int) -> None:
         """What the hub may send ``tag`` for one request: ``proposals`` and the branches the

@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from edge.backends.base import ModelInfo
 from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
+from edge.verifier import announced_tree_nodes
 from starsd import curve_client, protocol
 
 log = logging.getLogger("edge.hubs")
@@ -99,8 +100,9 @@ class HubPool:
         push: int,
         curves: list[curve_client.CurveClientConfig | None] | None = None,
     ) -> HubPool:
-        """:meth:`create` for a target running ``model`` (what HELLO says of it), whose
-        sessions take ``push`` pushed branches per round."""
+        """:meth:`create` for a target running ``model`` (what HELLO says of it: token trees
+        when its backend verifies them), whose sessions take ``push`` pushed branches per
+        round."""
         info = TargetInfo(
             model.name,
             model.vocab_size,
@@ -108,6 +110,7 @@ class HubPool:
             model.hidden_size,
             push,
             model.layers,
+            announced_tree_nodes(model),
         )
         return cls.create(ctx, endpoints, info, curves)
 

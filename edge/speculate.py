@@ -15,10 +15,13 @@ live. Proposals and errors are matched on (tag, seq): duplicates and stale ones 
 nothing is applied twice. With ``push`` (Open.push) the hub also sends its pre-drafted branches
 for the next proposal while this one is verified: when the verdict matches one, it is verified
 next at once, and the DRAFT says so (``taken``) instead of asking; a session keeps at most the
-branches it asked for, and only those for its next proposal.
+branches it asked for, and only those for its next proposal. A token tree (Proposal.parents) is
+verified like a chain, cropped to the depth the sequence has room for; its DRAFT names the
+accepted path (Draft.path). A tree is never a pushed branch.
 
 A hub is trusted for drafts only. A proposal is checked where it enters (:func:`checked_draft`: its
-length against the hub's max_gamma, token ids, q's shape, support and law), and one the target
+length against the hub's max_gamma, token ids, q's shape, support and law; a token tree against
+the connection's tree budget (HubClient.tree_nodes) and the tree rules), and one the target
 refuses, an unexpected error or any other message no honest hub sends costs that hub its
 session and a strike (HubClient.strike: no new sessions there for a while); the sequence moves
 to another hub or decodes alone, as it does when a hub dies. Nothing a hub sends raises out of
@@ -33,15 +36,18 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
+from edge import verifier
 from edge.batcher import Batcher
 from edge.client import HubClient, HubError, HubUnavailable, push_for
 from edge.hubs import HubPool
 from edge.verifier import TargetSequence
-from starsd import limits, protocol, sampling
+from starsd import limits, protocol, sampling, tree
 from starsd.logsafe import printable
 from starsd.protocol import Error, ErrorCode, Proposal
 
@@ -227,18 +233,20 @@ async def _round(
     if not isinstance(msg, Proposal):  # e.g. a second OPENED: no honest hub sends one
         return await _drop(session, f"an unexpected {type(msg).__name__}")
     if msg is not taken and msg.branch is not None:
+        if msg.parents is not None:
+            return await _drop(session, f"a proposal the target refuses: {TREE_BRANCH}")
         _hold(session, msg, session.expected + 1)  # (proposal ``expected`` was asked for)
         return session, False
     if msg.seq != session.expected:
         return session, False  # a duplicate or a stale proposal: never applied twice
     try:
-        drafts, q = checked_draft(seq, msg, client.max_gamma)
+        draft = checked_draft(seq, msg, client.max_gamma, client.tree_nodes)
     except ProposalRefused as exc:
         return await _drop(session, f"a proposal the target refuses: {exc}")
     if session.replaces is not None:
         _resumed(seq, session)
     try:
-        keep = await _answer(client, seq, session, msg, (drafts, q), batcher)
+        keep = await _answer(client, seq, session, msg, draft, batcher)
     except ValueError as exc:  # refused in the model thread (checked there once more)
         if seq.done:
             return None, False
@@ -311,7 +319,7 @@ async def _answer(
     seq: TargetSequence,
     session: HubSession,
     proposal: Proposal,
-    draft: tuple[list[int], torch.Tensor | None],
+    draft: Verifiable,
     batcher: Batcher,
 ) -> bool:
     """Verify the proposal, or decode the ``alone`` tokens it asks for (or, if we decoded alone
@@ -327,7 +335,8 @@ async def _answer(
             await decode_alone(seq, min(proposal.alone, limits.MAX_APPENDED - 1), batcher)
     # Everything committed since the hub last heard from us, but the drafts it proposed: the
     # verify's own token, the tokens decoded alone (asked for, or past the deadline).
-    appended = seq.generated[session.synced - len(seq.prompt) + accepted :]
+    start = session.synced - len(seq.prompt)
+    kept, appended = seq.generated[start : start + accepted], seq.generated[start + accepted :]
     synced, session.synced = session.synced, seq.committed
     session.expected += 1
     session.asked_at = time.monotonic()
@@ -340,15 +349,33 @@ async def _answer(
     features = seq.features(synced - 1, seq.committed - 1, taps) if taps else None
     session.taken = _branch_for(session, accepted, appended)
     taken = len(session.taken.tokens) if session.taken is not None else 0
-    await client.draft(session.tag, session.expected, accepted, appended, features, taken)
+    path = _path(proposal, kept)
+    await client.draft(session.tag, session.expected, accepted, appended, features, taken, path)
     return True
+
+
+def _path(proposal: Proposal, kept: list[int]) -> list[int] | None:
+    """Draft.path for a verdict that kept the draft tokens ``kept`` of ``proposal``: the
+    accepted path's nodes in the tree as the hub sent it (empty when nothing was accepted);
+    None after a chain.
+
+    The path is found again from the committed tokens rather than carried out of the verifier:
+    verification keeps one result shape for chains, trees and steps through the model thread,
+    and the walk is unique because checked_draft refused trees with repeated siblings. Walking
+    the tree as sent also names nodes in the hub's numbering even when the target verified it
+    cropped to its room (tree.crop_depth renumbers)."""
+    if proposal.parents is None:
+        return None
+    return tree.accepted_path(proposal.tokens.tolist(), proposal.parents.tolist(), kept)
 
 
 def _hold(session: HubSession, branch: Proposal, wanted: int) -> None:
     """Keep a pushed branch for proposal ``wanted`` (the next one), up to the session's push
-    count; any other (too late, too early, one too many) is dropped."""
+    count; any other (too late, too early, one too many, a token tree) is dropped."""
     assert branch.branch is not None
     key = (branch.seq, *branch.branch)
+    if branch.parents is not None:  # a tree is never a branch: verifying one as taken is refused
+        return
     if branch.seq == wanted and (key in session.branches or len(session.branches) < session.push):
         session.branches[key] = branch
 
@@ -375,26 +402,70 @@ class ProposalRefused(ValueError):
     """A proposal the target does not verify; the message says why."""
 
 
+TREE_BRANCH = "a token tree sent as a pushed branch"
+
+
+class Verifiable(NamedTuple):
+    """A proposal as the target verifies it (what :func:`checked_draft` returns)."""
+
+    drafts: list[int]  # the draft tokens (a tree's nodes) worth verifying
+    q: torch.Tensor | None  # dense [len(drafts), V]; None when greedy
+    parents: list[int] | None  # a token tree's, renumbered after cropping; None: a chain
+
+
 def checked_draft(
-    seq: TargetSequence, proposal: Proposal, max_gamma: int
-) -> tuple[list[int], torch.Tensor | None]:
-    """The draft tokens worth verifying and q dense [n, V] (None when greedy), or
-    ProposalRefused naming why the target refuses ``proposal``: more tokens than the hub's
-    max_gamma, token ids or q support outside the vocabulary, q of the wrong shape, or a q that
-    cannot be the law its tokens were drawn from (``sampling.q_problem``)."""
+    seq: TargetSequence, proposal: Proposal, max_gamma: int, tree_nodes: int = 0
+) -> Verifiable:
+    """The draft worth verifying (:class:`Verifiable`), or ProposalRefused naming why the
+    target refuses ``proposal``: more tokens than the hub's max_gamma, token ids or q support
+    outside the vocabulary, q of the wrong shape, or a q that cannot be the law its tokens were
+    drawn from (``sampling.q_problem``). A token tree (``proposal.parents``) is held to
+    ``tree_nodes`` (the connection's budget, 0: chains only) instead of max_gamma, and to the
+    tree rules (:func:`verifier.check_tree`); it may not be a pushed branch."""
     gamma, vocab = len(proposal.tokens), seq.info.vocab_size
-    if gamma > max_gamma:
+    if proposal.parents is not None:
+        why = _tree_refusal(proposal, tree_nodes)
+        if why is not None:
+            raise ProposalRefused(why)
+    elif gamma > max_gamma:
         raise ProposalRefused(f"{gamma} draft tokens, over the hub's max_gamma {max_gamma}")
     if gamma and not (int(proposal.tokens.min()) >= 0 and int(proposal.tokens.max()) < vocab):
         raise ProposalRefused(f"a draft token outside the vocabulary of {vocab}")
     why = None if seq.params.greedy or gamma == 0 else _q_shape_refusal(proposal, gamma, vocab)
     if why is not None:
         raise ProposalRefused(why)
-    drafts, q = usable_draft(seq, proposal)
+    draft = usable_draft(seq, proposal)
+    drafts, q, parents = draft
     why = sampling.q_problem(torch.tensor(drafts), q) if drafts and q is not None else None
+    if why is None and parents is not None and q is not None:
+        why = _refusal(verifier.check_tree, drafts, q, parents)  # siblings' q rows agree
     if why is not None:
         raise ProposalRefused(why)
-    return drafts, q
+    return draft
+
+
+def _tree_refusal(proposal: Proposal, budget: int) -> str | None:
+    """Why a token tree is refused before its tokens and q are read (None: it may be)."""
+    assert proposal.parents is not None
+    nodes, parents = len(proposal.tokens), proposal.parents
+    if budget <= 0:
+        return "a token tree, but this connection verifies chains only"
+    if proposal.branch is not None:
+        return TREE_BRANCH
+    if nodes > budget:
+        return f"{nodes} tree nodes, over this connection's budget of {budget}"
+    if parents.shape != proposal.tokens.shape:
+        return f"{len(parents)} parents for {nodes} tree nodes"
+    return _refusal(verifier.check_tree, proposal.tokens.tolist(), None, parents.tolist())
+
+
+def _refusal(check: Callable[..., None], *args: object) -> str | None:
+    """The ValueError message of ``check(*args)``, or None when it passes."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _q_shape_refusal(proposal: Proposal, gamma: int, vocab: int) -> str | None:
@@ -410,23 +481,28 @@ def _q_shape_refusal(proposal: Proposal, gamma: int, vocab: int) -> str | None:
     return None
 
 
-def usable_draft(seq: TargetSequence, proposal: Proposal) -> tuple[list[int], torch.Tensor | None]:
+def usable_draft(seq: TargetSequence, proposal: Proposal) -> Verifiable:
     """Draft tokens worth verifying (never past max_new_tokens or the context) and dense q;
-    the proposal passed :func:`checked_draft`'s shape checks."""
+    a token tree keeps its nodes of depth <= that room (parents renumbered, q rows in step).
+    The proposal passed :func:`checked_draft`'s shape checks."""
     room = seq.max_new_tokens - len(seq.generated) - 1
     if seq.info.max_positions is not None:
         room = min(room, seq.info.max_positions - seq.committed)
-    n = max(0, min(len(proposal.tokens), room))
-    drafts = [int(t) for t in proposal.tokens[:n]]
-    if seq.params.greedy or n == 0 or proposal.q_probs is None:
-        return drafts, None
-    q_probs = torch.from_numpy(proposal.q_probs[:n].astype("float32"))
+    room = max(0, room)
+    rows: slice | list[int] = slice(0, min(len(proposal.tokens), room))  # a chain: a prefix
+    parents = None
+    if proposal.parents is not None:
+        rows, parents = tree.crop_depth(proposal.parents.tolist(), room)
+    drafts = [int(t) for t in proposal.tokens[rows]]
+    if seq.params.greedy or not drafts or proposal.q_probs is None:
+        return Verifiable(drafts, None, parents)
+    q_probs = torch.from_numpy(proposal.q_probs[rows].astype("float32"))
     support = (
         None
         if proposal.q_support is None
-        else torch.from_numpy(proposal.q_support[:n].astype("int64"))
+        else torch.from_numpy(proposal.q_support[rows].astype("int64"))
     )
-    return drafts, sampling.dense_q(q_probs, support, seq.info.vocab_size)
+    return Verifiable(drafts, sampling.dense_q(q_probs, support, seq.info.vocab_size), parents)
 
 
 def draft_seed(seed: int | None) -> int | None:

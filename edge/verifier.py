@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from edge.backends.base import ModelInfo, RowOutput, VerifierBackend
-from starsd import sampling, tree
+from starsd import limits, sampling, tree
 from starsd.batch import SequenceCache
 from starsd.protocol import SamplingParams
 from starsd.stats import latency_summary
@@ -31,6 +31,13 @@ VerifyRow = tuple["TargetSequence", Sequence[int], "torch.Tensor | None"]  # (se
 # q's row i is the law node i was drawn from: its parent's q (siblings carry the same row).
 Parents = Sequence[int] | None
 MAX_TREE_NODES = 64  # the most nodes a proposal's tree may hold
+
+
+def announced_tree_nodes(info: ModelInfo) -> int:
+    """The tree nodes a target running ``info``'s backend announces in HELLO (0: chains only).
+    At most the wire's ``limits.MAX_TREE_NODES``: a target's frame limit holds dense q for that
+    many rows (limits.target_max_frame_bytes), so a larger tree could not reach it."""
+    return min(MAX_TREE_NODES, limits.MAX_TREE_NODES) if info.supports_trees else 0
 
 
 @dataclass
@@ -327,11 +334,12 @@ def check_proposal(
     if seq.done or seq.cache is None:
         raise ValueError("the sequence is finished")
     if parents is not None:
-        _check_tree(drafts, q_probs, parents)
-    if drafts and not fits_context(seq, len(drafts)):  # a step may run on (RoPE models do)
+        check_tree(drafts, q_probs, parents)
+    # a tree's nodes sit at their depths' positions: its deepest node is its last position
+    extent = len(drafts) if parents is None else max(tree.depths(parents), default=0)
+    if drafts and not fits_context(seq, extent):  # a step may run on (RoPE models do)
         raise ValueError(
-            f"{seq.committed} + {len(drafts)} positions exceed the target's "
-            f"{seq.info.max_positions}"
+            f"{seq.committed} + {extent} positions exceed the target's {seq.info.max_positions}"
         )
     if any(not 0 <= t < seq.info.vocab_size for t in drafts):
         raise ValueError(f"a draft token is outside the vocabulary of {seq.info.vocab_size}")
@@ -345,14 +353,15 @@ def check_proposal(
             raise ValueError(problem)
 
 
-def _check_tree(
-    drafts: Sequence[int], q_probs: torch.Tensor | None, parents: Sequence[int]
-) -> None:
-    """ValueError for a tree whose parents do not form one, that does not match its tokens, or
-    whose siblings carry different q rows (they were drawn from one law)."""
+def check_tree(drafts: Sequence[int], q_probs: torch.Tensor | None, parents: Sequence[int]) -> None:
+    """ValueError for a tree whose parents do not form one, that does not match its tokens,
+    whose siblings repeat a token (:func:`starsd.tree.sibling_problem`) or carry different q
+    rows (they were drawn from one law; q None: the rows are not checked)."""
     if len(parents) != len(drafts):
         raise ValueError(f"{len(parents)} parents for {len(drafts)} tree nodes")
-    problem = tree.tree_problem(list(parents), MAX_TREE_NODES)
+    problem = tree.tree_problem(list(parents), MAX_TREE_NODES) or tree.sibling_problem(
+        list(drafts), list(parents)
+    )
     if problem is not None:
         raise ValueError(problem)
     if q_probs is None or len(q_probs) != len(drafts):

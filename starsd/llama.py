@@ -243,8 +243,10 @@ class PaddedKeyValues:
 
     Every row's keys sit in one padded buffer per layer; ``key_mask`` [B, T_max] (1: a real key,
     None: no padding) says which columns are real once this forward's columns are appended. Each
-    fed query sees the real keys up to its own column. Made once per forward: the mask is built
-    at the first layer and shared by the others.
+    fed query sees the real keys up to its own column. A token tree's forward instead gives the
+    whole mask, [B, F, T] bool per query (True: attend; :class:`starsd.hub.drafters.tree_draft.
+    TreeBatch`). Made once per forward: the mask is built at the first layer and shared by the
+    others.
     """
 
     def __init__(self, buffers: Sequence[LayerBuffer], key_mask: torch.Tensor | None) -> None:
@@ -266,6 +268,9 @@ class PaddedKeyValues:
         self, first: int, fed: int, columns: int, device: torch.device
     ) -> torch.Tensor | None:
         """[B | 1, 1, F, T] bool (True: attend), or None when every query sees every key."""
+        if not self._built and self.key_mask is not None and self.key_mask.dim() == 3:
+            self._built = True  # a tree's mask, given whole
+            self._allowed = self.key_mask[:, None, :, :columns].to(device=device, dtype=torch.bool)
         if not self._built:
             self._built = True
             causal = None

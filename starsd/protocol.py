@@ -88,6 +88,9 @@ class Hello:
     tokenizer: str  # tokenizer fingerprint (see starsd.models.tokenizer_fingerprint)
     version: int = PROTOCOL_VERSION
     feature_width: int = 0  # hidden size of the features the target can send (0: none)
+    # > 0: the target verifies token trees of up to this many nodes (Proposal.parents); 0 or
+    # absent (older targets): chains only
+    tree_nodes: int = field(default=0, metadata={"sparse": True})
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ class Welcome:
     # pushed branches per round this hub sends to a session that asks (Open.push); 0 or absent
     # (older hubs, whose OPEN decoder would refuse the field): a target must not ask
     push: int = field(default=0, metadata={"sparse": True})
+    # > 0: this hub may propose token trees of up to min(this, Hello.tree_nodes) nodes to a
+    # target that announced them; 0 or absent: chains only
+    tree_nodes: int = field(default=0, metadata={"sparse": True})
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,9 @@ class Draft:
     # > 0: the target already holds proposal ``seq``, the pushed branch for exactly this verdict
     # (``taken`` tokens), and is verifying it: the hub commits that branch and sends nothing
     taken: int = field(default=0, metadata={"sparse": True})
+    # The verdict on a token tree (Proposal.parents): [accepted] the accepted path's node
+    # indices, root side first; absent after a chain (its path is its first ``accepted`` tokens)
+    path: np.ndarray | None = field(default=None, repr=False, metadata=_array(_IDS, 1))
 
 
 @dataclass(frozen=True)
@@ -185,6 +194,13 @@ class Proposal:
     matches verifies it at once and sends its DRAFT with ``taken`` = len(tokens); otherwise it
     drops the branch and asks as usual. Its tokens and q are exactly what the hub would draft
     after that verdict, so verifying it is as lossless as an asked-for proposal.
+
+    A *token tree* (``parents`` given, to a target that announced ``Hello.tree_nodes``): node i
+    is ``tokens[i]`` with parent node ``parents[i]`` (-1: a child of the last committed token),
+    parents before children, siblings distinct and in drawing order; q row i is the law node i
+    was drawn from (its parent's, the same for siblings: drawn one after another without
+    replacement). The DRAFT answering it names the accepted path (``Draft.path``). A tree is
+    never a pushed branch.
     """
 
     TYPE: ClassVar[int] = 6
@@ -199,6 +215,8 @@ class Proposal:
     # a pushed branch: the verdict on seq - 1 it is drafted after (-1: an asked-for proposal)
     if_accepted: int = field(default=-1, metadata={"sparse": True})
     if_appended: int = field(default=-1, metadata={"sparse": True})
+    # [gamma] int32 parent node of each token (a token tree; None: a chain)
+    parents: np.ndarray | None = field(default=None, repr=False, metadata=_array(_IDS, 1))
 
     @property
     def branch(self) -> tuple[int, int] | None:

@@ -11,7 +11,10 @@ root) followed by the N nodes. The prefix is causal; node i sits at the position
 parent (the root's position + its depth) and sees the whole prefix and its own ancestors only
 (:func:`feed_mask`). After verification the accepted path's keys are moved down to follow the
 prefix (:func:`kept_columns`): a path node's position is its depth, so after the move every key
-sits at the position its RoPE angle was computed for. Pure: no model.
+sits at the position its RoPE angle was computed for. Siblings hold distinct tokens
+(:func:`sibling_problem`), so the committed tokens name the accepted path (:func:`accepted_path`).
+A tree cropped to the depth a sequence has room for (:func:`crop_depth`) is again a tree. Pure: no
+model.
 """
 
 from __future__ import annotations
@@ -29,6 +32,19 @@ def tree_problem(parents: Sequence[int], max_nodes: int) -> str | None:
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:
             return f"node {i} names parent {parent}: parents must come before their children"
+    return None
+
+
+def sibling_problem(tokens: Sequence[int], parents: Sequence[int]) -> str | None:
+    """Why the tree's siblings do not hold distinct tokens (None if they do). Siblings are drawn
+    from one law without replacement: a repeated token cannot be such a draw (recursive
+    rejection sampling would try it twice against one residual, biasing the result), and the
+    accepted path could no longer be named by its tokens."""
+    first: dict[tuple[int, int], int] = {}
+    for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+        sibling = first.setdefault((parent, token), node)
+        if sibling != node:
+            return f"tree node {node} repeats token {token} of its sibling {sibling}"
     return None
 
 
@@ -65,6 +81,31 @@ def depths(parents: Sequence[int]) -> list[int]:
     for parent in parents:
         out.append(1 if parent < 0 else out[parent] + 1)
     return out
+
+
+def accepted_path(
+    tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]
+) -> list[int]:
+    """The nodes of the root path whose tokens are ``committed`` (the draft tokens a
+    verification accepted, in order), root side first; unique because siblings are distinct
+    (:func:`sibling_problem`). ValueError when no such path exists."""
+    kids, row, path = children(parents), 0, []
+    for token in committed:
+        node = next((c for c in kids[row] if tokens[c] == token), None)
+        if node is None:
+            raise ValueError(f"token {token} is not a child of row {row} of the tree")
+        path.append(node)
+        row = node + 1
+    return path
+
+
+def crop_depth(parents: Sequence[int], depth: int) -> tuple[list[int], list[int]]:
+    """The tree cut to nodes of depth <= ``depth``: (the kept nodes in order, their parents
+    renumbered among the kept). A kept node's parent is shallower, so it is kept too; order is
+    kept, so parents still come before children and siblings keep their drawing order."""
+    kept = [node for node, d in enumerate(depths(parents)) if d <= depth]
+    index = {node: new for new, node in enumerate(kept)}
+    return kept, [-1 if parents[node] < 0 else index[parents[node]] for node in kept]
 
 
 def feed_positions(prefix: int, parents: Sequence[int]) -> list[int]:

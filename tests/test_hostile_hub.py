@@ -188,8 +188,8 @@ def test_an_honest_proposal_passes() -> None:
             },
         ),
     ):
-        drafts, dense = checked_draft(_Seq(params), _proposal(tokens, **q), 8)  # type: ignore[arg-type]
-        assert drafts == tokens and (dense is None) == params.greedy
+        drafts, dense, parents = checked_draft(_Seq(params), _proposal(tokens, **q), 8)  # type: ignore[arg-type]
+        assert drafts == tokens and (dense is None) == params.greedy and parents is None
 
 
 def test_a_session_keeps_only_the_branches_it_asked_for_for_its_next_proposal() -> None:

@@ -287,6 +287,7 @@ class OnnxBackend:
             m.tokenizer_fingerprint,
             frozenset(m.eos_token_ids),
             limit,
+            supports_trees=False,  # the exported graph takes no attention mask
         )
 
     def check_probe(self) -> float:

@@ -35,6 +35,10 @@ class TorchBackend:
 
     def __init__(self, loaded: models.LoadedModel) -> None:
         self.loaded = loaded
+        # Caches in one pool where the model's attention is ours (starsd.llama): no gather /
+        # scatter copies, and token trees (a mask per row). Elsewhere the padded batch, chains
+        # only.
+        pooled = loaded.decoder is not None
         self.info = ModelInfo(
             loaded.name,
             loaded.vocab_size,
@@ -43,12 +47,10 @@ class TorchBackend:
             loaded.eos_token_ids,
             loaded.max_positions,
             models.layer_count(loaded),
+            supports_trees=pooled,
         )
         self.kv_shapes = models.kv_shapes(loaded)  # (kv heads, head dim) per layer
         self.dtype = next(loaded.model.parameters()).dtype
-        # Caches in one pool where the model's attention is ours (starsd.llama): no gather /
-        # scatter copies. Elsewhere the padded batch.
-        pooled = loaded.decoder is not None
         heads, dim = self.kv_shapes[0]
         self.cache_shape = (len(self.kv_shapes), heads, dim)
         self.pool = KVPool(self.cache_shape, self.dtype, loaded.device) if pooled else None

@@ -60,6 +60,7 @@ from starsd import models, protocol
 from starsd.hub.build import load_proposer
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import Proposer
+from starsd.hub.drafters.tree_draft import TreeShape
 
 TARGET, DRAFT = models.PAIRS["smollm2"]
 EAGLE3 = REPO / "models" / "smollm2-eagle3"  # the target's EAGLE-3 head, when it is there
@@ -69,6 +70,12 @@ COST_SIZES = (1, 3, 4, 8)  # B of the batched costs: one target, three, --concur
 MANY_TARGETS = 3
 Mode = Callable[[], dict[str, Any]]
 HUB_ARGS = ("--threads", "1", "--stats-interval", "1")
+# the token trees measured in process (the hub's --tree on drafts its default, "t2x4n8")
+TREE_SHAPES = {
+    "t2x3n6": TreeShape(2, 3, 6),
+    "t2x4n8": TreeShape(2, 4, 8),
+    "t3x4n12": TreeShape(3, 4, 12),
+}
 
 
 def chat_rows(count: int, first: int = 0) -> list[dict]:
@@ -177,11 +184,17 @@ def assisted(
 
 
 def central(
-    target: models.LoadedModel, proposer: Proposer, prompts: list[list[int]], tokens: int, g: int
+    target: models.LoadedModel,
+    proposer: Proposer,
+    prompts: list[list[int]],
+    tokens: int,
+    g: int,
+    tree_shape: TreeShape | None = None,
 ) -> dict:
-    """The in-process centralized loop at gamma ``g``: its rate and per-round costs."""
+    """The in-process centralized loop at gamma ``g`` (or drafting trees of ``tree_shape``):
+    its rate and per-round costs."""
     cfg = BenchConfig("real", str(TARGET), str(DRAFT), gamma=g, max_new_tokens=tokens)
-    record, measured = bench_centralized(target, proposer, cfg, prompts)
+    record, measured = bench_centralized(target, proposer, cfg, prompts, tree_shape)
     return {"tokens_per_s": record["system_tokens_per_s"], **measured}
 
 
@@ -223,7 +236,27 @@ def predictions(runs: dict[str, dict], step_s: float) -> dict[str, float]:
             pred[f"{drafter}g{g}"] = rate
         each = [pred[f"{drafter}g{g}"] for g in CENTRAL_GAMMAS]
         pred[f"{drafter}auto"] = max(1.0, *each)
+    for name in TREE_SHAPES:
+        c = runs.get(f"central-e3-{name}")
+        if c is not None:
+            pred[f"e3-{name}"] = (1 + c["mean_accepted"]) * step_s / (c["draft_s"] + c["verify_s"])
+    if "e3-auto" in pred and "e3-t2x4n8" in pred:  # the hub's --tree on shape; chains' best
+        pred["e3-trees"], pred["e3-chains"] = pred["e3-t2x4n8"], pred["e3-auto"]
     return pred
+
+
+def tokens_per_round(runs: dict[str, dict]) -> dict[str, Any]:
+    """Committed tokens per round (accepted + 1) of the EAGLE-3 head's chains and trees in
+    process, and the best tree's over the best chain's."""
+    per = {
+        name.removeprefix("central-e3-"): 1 + r["mean_accepted"]
+        for name, r in runs.items()
+        if name.startswith("central-e3-")
+    }
+    trees = [v for k, v in per.items() if k in TREE_SHAPES]
+    chains = [v for k, v in per.items() if k not in TREE_SHAPES]
+    ratio = max(trees) / max(chains) if trees and chains else float("nan")
+    return {"per_shape": per, "best_tree_over_best_chain": ratio}
 
 
 def batched_predictions(runs: dict[str, dict], costs: dict[str, Any]) -> dict[str, dict]:
@@ -322,6 +355,13 @@ def eagle3_modes(
         modes[f"hub-e3-g{g}"] = b.hub(rows, 1, "--gamma", str(g), drafter="e3")
     for g in CENTRAL_GAMMAS:
         modes[f"central-e3-g{g}"] = lambda g=g: central(b.target, head, prompts, b.tokens, g)
+    # token trees: the hub with trees always, with chains only, and the trees' own costs
+    modes["hub-e3-trees"] = b.hub(rows, 1, drafter="e3-trees")
+    modes["hub-e3-chains"] = b.hub(rows, 1, drafter="e3-chains")
+    for name, shape in TREE_SHAPES.items():
+        modes[f"central-e3-{name}"] = lambda shape=shape: central(
+            b.target, head, prompts, b.tokens, 1, shape
+        )
     return modes
 
 
@@ -372,7 +412,12 @@ def summarise(runs: dict[str, dict], quick: bool) -> dict[str, Any]:
     identical = all(runs[name]["ids"] == runs["standalone"]["ids"] for name in one)
     identical &= all(runs[m]["ids"] == runs[b]["ids"] for m, b in pairs.items())
     pred = predictions(runs, runs["standalone-inproc"]["step_s"])
-    return {"ratios": ratios, "predicted": pred, "identical": identical}
+    return {
+        "ratios": ratios,
+        "predicted": pred,
+        "identical": identical,
+        "tokens_per_round": tokens_per_round(runs),
+    }
 
 
 def predicted_for(result: dict[str, Any], mode: str) -> float:
@@ -417,6 +462,9 @@ def run(args: argparse.Namespace, procs: Processes, work: Path) -> dict[str, Any
     if EAGLE3.is_dir():  # the EAGLE-3 hub beside the draft LLM's
         e3_log, e3_args = work / "hub-e3.log", ["--draft-kind", "eagle3", "--target", str(TARGET)]
         hubs["e3"] = (start_hub(procs, str(EAGLE3), e3_log, *HUB_ARGS, *e3_args)[1], e3_log)
+        for tree_mode, name in (("on", "e3-trees"), ("off", "e3-chains")):
+            log_t, args_t = work / f"hub-{name}.log", [*e3_args, "--tree", tree_mode]
+            hubs[name] = (start_hub(procs, str(EAGLE3), log_t, *HUB_ARGS, *args_t)[1], log_t)
     bench = Bench(hubs, work, tokens)
     modes = selected(plan(bench, args.quick), args.modes.split(",") if args.modes else [])
     runs = medians(run_repeats(modes, repeats))
@@ -456,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
-    keys = ("ratios", "predicted", "predicted_batched", "identical")
+    keys = ("ratios", "predicted", "predicted_batched", "identical", "tokens_per_round")
     print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
 
 

@@ -41,10 +41,11 @@ from scripts.bench.harness import (
     stop,
     write_prompts,
 )
-from starsd import analytic, models, transport
+from starsd import analytic, models, transport, tree
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.drafters.llm import LlmProposer
-from starsd.protocol import SamplingParams, Stats
+from starsd.hub.drafters.tree_draft import TreeShape
+from starsd.protocol import Proposal, SamplingParams, Stats
 from starsd.stats import latency_summary
 
 PROMPTS = HARNESS_PROMPTS[:6]
@@ -88,11 +89,14 @@ def bench_centralized(
     drafter: Proposer,
     cfg: BenchConfig,
     prompts: Sequence[list[int]] | None = None,
+    tree_shape: TreeShape | None = None,
 ) -> tuple[dict, dict[str, float]]:
     """Draft and target in one process; also measures S(d) and the verify time per round.
 
     The same loop serves both backends: with EAGLE the target keeps its features and each
     job carries those the drafter has not seen, exactly as OPEN and DRAFT do over the wire.
+    With ``tree_shape`` every round drafts a token tree of that shape (its verdict names the
+    accepted path, as DRAFT does).
     """
     eagle = drafter.feature_width > 0
     taps = (drafter.feature_layers or (-1,)) if eagle else ()
@@ -107,12 +111,17 @@ def bench_centralized(
         state = drafter.new_state(ids, SamplingParams(), cfg.gamma)
         job = DraftJob(b"", 0, state, 0, (), features=_features(seq, 0, eagle))
         while not seq.done:
+            state.tree = tree_shape
             t0 = time.perf_counter()
             (proposal,) = drafter.propose([job])
             t1 = time.perf_counter()
-            synced = seq.committed
-            n, appended = seq.verify([int(t) for t in proposal.tokens], None)  # type: ignore[union-attr]
+            assert isinstance(proposal, Proposal), proposal
+            synced, drafts = seq.committed, [int(t) for t in proposal.tokens]
+            parents = None if proposal.parents is None else proposal.parents.tolist()
+            n, appended = seq.verify(drafts, None, parents)
             verify_s += time.perf_counter() - t1
+            kept = seq.generated[synced - len(ids) :][:n]
+            path = None if parents is None else tuple(tree.accepted_path(drafts, parents, kept))
             draft_s += t1 - t0
             rounds, accepted = rounds + 1, accepted + n
             job = DraftJob(
@@ -122,6 +131,7 @@ def bench_centralized(
                 n,
                 tuple(appended),
                 features=_features(seq, synced - 1, eagle),
+                path=path,
             )
         tokens += len(seq.generated)
         lat += seq.stats.token_latency_s

@@ -11,6 +11,7 @@ import signal
 from starsd import keys, limits, models, protocol, transport
 from starsd.hub import Hub, HubConfig, auth, build_hub
 from starsd.hub.drafters import KINDS
+from starsd.hub.shapes import TREE_MODES
 
 log = logging.getLogger("starsd.hub")
 
@@ -122,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
         help="pre-draft only while at most this many proposals are out (with more, "
         "pre-draft steps delay real jobs more than their hits save)",
     )
+    _add_tree_args(p)
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -147,10 +149,39 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
         p.error(f"--max-gamma must be in 1..{limits.MAX_GAMMA}, got {args.max_gamma}")
     if args.gamma != "auto" and not 0 <= args.gamma <= args.max_gamma:
         p.error(f"--gamma must be auto or in 0..{args.max_gamma} (--max-gamma), got {args.gamma}")
-    config = HubConfig(**vars(args))
+    try:
+        config = HubConfig(**vars(args))
+    except ValueError as exc:
+        p.error(str(exc))
     if (config.curve_secret is None) != (config.allow_dir is None):
         p.error("--curve-secret and --allow-dir go together")
     return config
+
+
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    """``--tree`` and the tree's shape."""
+    p.add_argument(
+        "--tree",
+        default=HubConfig.tree,
+        choices=TREE_MODES,
+        help="token trees, for targets that verify them: auto (default) picks tree or chain "
+        "per round by each target's measured tokens per second (chains when the hub is fully "
+        "loaded); on: always trees; off: chains only (draft-kind llm with StarSD's forward, "
+        "eagle, eagle3)",
+    )
+    p.add_argument(
+        "--tree-width",
+        type=int,
+        default=HubConfig.tree_width,
+        help="a tree expands this many nodes per depth, with this many children each",
+    )
+    p.add_argument("--tree-depth", type=int, default=HubConfig.tree_depth)
+    p.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=HubConfig.tree_nodes,
+        help="the most nodes of a tree (the best by the draft's path probability)",
+    )
 
 
 def _resolve_drafter(args: argparse.Namespace) -> None:

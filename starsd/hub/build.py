@@ -37,6 +37,7 @@ def build_hub(config: HubConfig) -> Hub:
         heartbeat_ms=int(1000 * config.heartbeat_s),
         feature_width=proposer.feature_width,
         feature_layers=",".join(map(str, proposer.feature_layers)),
+        tree_nodes=config.tree_budget if proposer.trees else 0,
     )
     predrafter = predrafter_for(proposer, config)
     if predrafter is not None:  # its branches go to the sessions that ask for them

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Literal
 
 from starsd.hub import auth
-from starsd.limits import MAX_GAMMA
+from starsd.hub.shapes import TREE_MODES
+from starsd.limits import MAX_GAMMA, MAX_TREE_NODES
 from starsd.models import FORWARDS
 
 AUTO_START_GAMMA = 4  # --gamma auto: a session's first rounds, until its estimate has data
@@ -43,6 +44,13 @@ class HubConfig:
     # pre-draft only while at most this many proposals are out: with more, the idle gaps are
     # short, few branches hit and a pre-draft step delays the real jobs that arrive meanwhile
     predraft_max_in_flight: int = 2
+    # token trees (targets that verify them): auto: the policy picks tree or chain per round;
+    # on: always trees; off: chains only. Each tree expands tree_width nodes per depth with
+    # tree_width children each, down to tree_depth, at most tree_nodes nodes
+    tree: str = "auto"
+    tree_width: int = 2
+    tree_depth: int = 4
+    tree_nodes: int = 8
     metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
     metrics_host: str = "127.0.0.1"
 
@@ -53,6 +61,12 @@ class HubConfig:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.forward not in FORWARDS:
             raise ValueError(f"forward must be one of {FORWARDS}, got {self.forward!r}")
+        if self.tree not in TREE_MODES:
+            raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
+        if min(self.tree_width, self.tree_depth, self.tree_nodes) < 1:
+            raise ValueError("tree_width, tree_depth and tree_nodes must be >= 1")
+        if self.tree_nodes > MAX_TREE_NODES:
+            raise ValueError(f"tree_nodes must be at most {MAX_TREE_NODES}")
         if self.predraft_branches < 0:
             raise ValueError(f"predraft_branches must be >= 0, got {self.predraft_branches}")
         if self.predraft_max_in_flight < 1:
@@ -69,6 +83,12 @@ class HubConfig:
             raise ValueError(
                 f"gamma must be 'auto' or an integer in 0..{self.max_gamma}, got {self.gamma!r}"
             )
+
+    @property
+    def tree_budget(self) -> int:
+        """Nodes of a tree this hub proposes: a tree's nodes count as draft tokens against
+        max_gamma (what a target checks a proposal's length against); 0 with --tree off."""
+        return 0 if self.tree == "off" else min(self.tree_nodes, self.max_gamma)
 
     @property
     def auto_gamma(self) -> bool:

@@ -140,12 +140,13 @@ class DraftingEngine:
         hits: set[int] = set()
         predrafter = self.predrafter
         for i, (job, plan) in enumerate(zip(batch, plans, strict=True)):
-            if predrafter is not None and plan.held:
+            tree = job.state.tree is not None  # this round drafts a token tree
+            if predrafter is not None and (plan.held or tree):
                 predrafter.forget(job.tag)
             if plan.alone:
                 results[i] = Proposal(job.tag, job.seq, _NO_TOKENS, alone=plan.alone)
                 continue
-            hit = None if plan.held or predrafter is None else predrafter.answer(job)
+            hit = None if plan.held or tree or predrafter is None else predrafter.answer(job)
             if hit is not None:
                 results[i] = hit
                 hits.add(i)
@@ -196,7 +197,7 @@ class DraftingEngine:
         session = (
             self.table.sessions.get(job.tag)
             if taken
-            else self.table.delivered(job.tag, job.seq, proposed)
+            else self.table.delivered(job.tag, job.seq, proposed, _parents(result))
         )
         if session is None:  # closed while drafting: nothing to send, state is already dropped
             return False
@@ -235,12 +236,20 @@ class DraftingEngine:
         sent: list[DraftJob],
     ) -> None:
         """Sessions whose proposals went out: their likely verdicts are pre-drafted when idle
-        (not a span alone: its session's draft state is not the proposal out)."""
+        (not a span alone: its session's draft state is not the proposal out; not a token
+        tree: its verdicts are a path each, too many to draft ahead, and the tree round was
+        chosen because drafting is not the bottleneck)."""
         if self.predrafter is None:
             return
         out = set(map(id, sent))
         for i, (job, plan) in enumerate(zip(batch, plans, strict=True)):
-            if id(job) in out and not plan.alone and isinstance(results[i], Proposal):
+            result = results[i]
+            if (
+                id(job) in out
+                and not plan.alone
+                and isinstance(result, Proposal)
+                and result.parents is None
+            ):
                 self.predrafter.offer(job.tag, job.state, job.seq + 1, job.push)
 
     # ------------------------------------------------------------------ taking a batch
@@ -300,3 +309,8 @@ class DraftingEngine:
                 sent += 1
             self.stats.pushed += sent
             return sent
+
+
+def _parents(result: Result) -> np.ndarray | None:
+    """A proposal's token tree (None: a chain, or an error)."""
+    return result.parents if isinstance(result, Proposal) else None

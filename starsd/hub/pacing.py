@@ -32,6 +32,7 @@ import numpy as np
 
 from starsd import limits
 from starsd.hub.drafters.base import DraftJob
+from starsd.hub.drafters.tree_draft import TreeShape
 from starsd.hub.estimates import ServiceModel
 from starsd.hub.policy import (
     CommonGamma,
@@ -46,6 +47,14 @@ from starsd.hub.policy import (
 _WAIT_SMOOTHING = 0.2  # W: weight of the newest queue wait
 _ALONE_SMOOTHING = 0.3  # T_alone: weight of the newest span
 _HUB_ALONE_SMOOTHING = 0.1  # the hub's T_alone, over every session's spans
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """``--tree`` auto or on, with the tree shape it drafts (node budget capped per target)."""
+
+    mode: str  # "auto" (the rule of starsd.hub.shapes) or "on" (always, where verified)
+    shape: TreeShape
 
 
 @dataclass(frozen=True)
@@ -67,8 +76,10 @@ class Pacer:
         policy: GammaPolicy,
         max_positions: int | None,
         clock: Callable[[], float] = time.perf_counter,
+        trees: TreePlan | None = None,
     ) -> None:
         self.policy = policy
+        self.trees = trees  # None: chains only (--tree off, or a proposer without trees)
         self.max_positions = max_positions  # the draft's context: a span must leave room
         self.clock = clock  # the clock DraftJob.enqueued_at is read on
         self.service = ServiceModel()
@@ -94,6 +105,7 @@ class Pacer:
         pacing = self.pacing_of(job)
         self._learn(job, pacing, now)
         if job.taken:
+            job.state.tree = None  # a pushed branch is a chain
             return Plan(job.taken)
         held = pacing.pending is not None  # after a span alone this round is the probe
         gamma = self.policy.next_round(pacing, load, probe=held)
@@ -105,7 +117,21 @@ class Pacer:
                 pacing.pending = _pending(job)
             return Plan(0, span, held=True)
         job.state.gamma = max(gamma, 1)
+        job.state.tree = self._shape(job, pacing, load)
+        pacing.tree_round, pacing.asked_at = job.state.tree is not None, job.enqueued_at
         return Plan(job.state.gamma, held=held)
+
+    def _shape(self, job: DraftJob, pacing: SessionPacing, load: Load | None) -> TreeShape | None:
+        """This round's token tree (None: a chain): never to a target that does not verify
+        trees, never for a pushed branch's round; under auto by :mod:`starsd.hub.shapes`."""
+        plan = self.trees
+        if plan is None or job.tree_nodes < 1 or job.taken:
+            return None
+        shape = dataclasses.replace(plan.shape, nodes=min(plan.shape.nodes, job.tree_nodes))
+        if plan.mode == "on":
+            return shape
+        loaded = load is not None and load.loaded
+        return shape if pacing.shared.shapes.use_tree(loaded) else None
 
     def with_held(self, job: DraftJob) -> DraftJob:
         """``job`` with the verdict held since a span alone in its place (that verdict, then
@@ -169,6 +195,11 @@ class Pacer:
             return
         # A verify commits exactly one token after the accepted ones: anything else means the
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.
+        if job.proposed >= 1 and len(job.appended) == 1 and pacing.asked_at is not None:
+            seconds = job.enqueued_at - pacing.asked_at  # the whole round, asked to answered
+            pacing.shared.shapes.observe(pacing.tree_round, job.accepted + 1, seconds)
+        if pacing.tree_round:  # a tree's path is no chain's acceptance per position
+            return
         if pacing.fixed is None and job.proposed >= 1 and len(job.appended) == 1:
             pacing.estimate.observe(job.proposed, min(job.accepted, job.proposed))
             # At a target with other sessions open a probe's round trip is left out of R(g): R

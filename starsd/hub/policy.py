@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 
 from starsd.goodput import gamma_rates, pick_gamma
 from starsd.hub.estimates import AcceptanceEstimate, LinearFit
+from starsd.hub.shapes import ShapeChooser
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,7 @@ class TargetPacing:
     chosen: int = 0  # the gamma its sessions chose last (a new session starts there)
     # its sessions alive now (a session's pacing goes when its draft state does)
     sessions: weakref.WeakSet[SessionPacing] = field(default_factory=weakref.WeakSet)
+    shapes: ShapeChooser = field(default_factory=ShapeChooser)  # --tree auto: tree or chain
 
     def batched(self, session: SessionPacing) -> bool:
         """Whether another of its sessions is open beside ``session`` (the target's forwards
@@ -236,6 +238,8 @@ class SessionPacing:
     chosen: int = 0  # the last gamma chosen
     probing: bool = False  # the proposal in flight is the probe after a span alone
     explored: bool = False  # it decoded alone to time its target's T_alone
+    tree_round: bool = False  # the proposal in flight is a token tree
+    asked_at: float | None = None  # when the job that asked for it was queued
 
     @property
     def estimate(self) -> AcceptanceEstimate:

@@ -33,8 +33,9 @@ from starsd.budget import PeerBudget, Rates
 from starsd.hub import auth, gate, router
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
+from starsd.hub.drafters.tree_draft import TreeShape
 from starsd.hub.engine import DraftingEngine
-from starsd.hub.pacing import Pacer
+from starsd.hub.pacing import Pacer, TreePlan
 from starsd.hub.policy import GammaPolicy, PolicyParams
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import Limits, Peer, Refused, Session, SessionTable
@@ -95,7 +96,12 @@ def pacer_for(config: HubConfig, proposer: Proposer) -> Pacer:
     """The drafting thread's ``--gamma auto`` (which leaves sessions with a fixed gamma, and
     every session under --gamma N, as they are)."""
     params = PolicyParams(max_gamma=config.max_gamma, start_gamma=max(config.default_gamma, 1))
-    return Pacer(GammaPolicy(params), proposer.max_positions)
+    trees = None
+    if proposer.trees and config.tree_budget:
+        trees = TreePlan(
+            config.tree, TreeShape(config.tree_width, config.tree_depth, config.tree_budget)
+        )
+    return Pacer(GammaPolicy(params), proposer.max_positions, trees=trees)
 
 
 class Hub:
@@ -409,7 +415,14 @@ class Hub:
                 self.budget.refund(peer.routing_id)  # accepted work is bounded already
                 appended = tuple(msg.appended.tolist())
                 self._enqueue(
-                    session, msg.seq, msg.accepted, appended, msg.features, msg.taken, proposed
+                    session,
+                    msg.seq,
+                    msg.accepted,
+                    appended,
+                    msg.features,
+                    msg.taken,
+                    proposed,
+                    _tree_path(session, msg),
                 )
                 return []
             case Close(tag=tag):
@@ -434,8 +447,15 @@ class Hub:
             return Error(ErrorCode.INCOMPATIBLE, f"target refused: {differences}")
         key = user_id.encode() if user_id is not None else routing_id
         name = self._peer_name(routing_id, user_id, msg.model)
-        if self.table.welcome(routing_id, key, name) is not None:
-            log.info("target %s connected (vocab %d)", name, msg.vocab_size)
+        peer = self.table.welcome(routing_id, key, name)
+        if peer is not None:
+            peer.tree_nodes = min(max(msg.tree_nodes, 0), self.welcome.tree_nodes)
+            log.info(
+                "target %s connected (vocab %d, trees of %d nodes)",
+                name,
+                msg.vocab_size,
+                peer.tree_nodes,
+            )
         return dataclasses.replace(self.welcome, **self.load())
 
     def load(self) -> LoadReport:
@@ -471,6 +491,7 @@ class Hub:
         features: np.ndarray | None,
         taken: int = 0,
         proposed: int = 0,
+        path: tuple[int, ...] | None = None,
     ) -> None:
         job = DraftJob(
             session.tag,
@@ -484,6 +505,8 @@ class Hub:
             proposed=proposed,
             owner=session.owner,
             auto=not session.gamma_fixed,
+            path=path,
+            tree_nodes=session.tree_nodes,
         )
         self.q_in.put(session.owner, job)
 
@@ -522,6 +545,14 @@ class Hub:
     def _log_summary(self) -> None:
         log.info("hub stopped after %.1f s; summary:", time.perf_counter() - self.stats.started)
         self._log_stats()
+
+
+def _tree_path(session: Session, msg: Draft) -> tuple[int, ...] | None:
+    """The accepted path of a verdict on a token tree (checked by the table), None after a
+    chain."""
+    if session.last_parents is None:
+        return None
+    return () if msg.path is None else tuple(msg.path.tolist())
 
 
 def _job_of(tag: bytes) -> Callable[[DraftJob], bool]:

@@ -68,6 +68,7 @@ class Peer:
     stats: TargetStats
     last_seen: float
     tags: set[bytes] = field(default_factory=set)
+    tree_nodes: int = 0  # the most nodes of a token tree it verifies (0: chains only)
 
 
 @dataclass
@@ -84,6 +85,9 @@ class Session:
     last_gamma: int = 0  # tokens in the proposal the next verdict refers to
     gamma_fixed: bool = True  # False: --gamma auto chooses each round's gamma
     push: int = 0  # pushed branches per round its target takes (Open.push; 0: none)
+    tree_nodes: int = 0  # its target's token-tree budget (Peer.tree_nodes; 0: chains only)
+    # the parents of the token tree the next verdict refers to (None: a chain)
+    last_parents: tuple[int, ...] | None = None
 
 
 class SessionTable:
@@ -151,6 +155,7 @@ class SessionTable:
             length=msg.prompt.size,
             push=msg.push,
             gamma_fixed=msg.gamma != 0 or not self.limits.auto_gamma,
+            tree_nodes=peer.tree_nodes,
         )
         self.sessions[tag] = session
         self.owned_by[peer.key] = self.owned_by.get(peer.key, 0) + 1
@@ -206,8 +211,11 @@ class SessionTable:
         if peer is not None:
             peer.tags.discard(session.tag)
 
-    def delivered(self, tag: bytes, seq: int, proposed: int | None) -> Session | None:
-        """A job's result is going out; ``proposed`` is its token count, None for an error.
+    def delivered(
+        self, tag: bytes, seq: int, proposed: int | None, parents: np.ndarray | None = None
+    ) -> Session | None:
+        """A job's result is going out; ``proposed`` is its token count, None for an error;
+        ``parents`` its token tree's (None: a chain).
 
         Returns the session (dropped already after an error, whose reply still goes out), or
         None if it was closed while its job was drafted.
@@ -221,6 +229,7 @@ class SessionTable:
         else:
             session.next_seq = seq + 1
             session.last_gamma = proposed
+            session.last_parents = None if parents is None else tuple(parents.tolist())
         return session
 
     def in_flight(self) -> int:
@@ -281,6 +290,9 @@ class SessionTable:
             return ErrorCode.INVALID_ARGUMENT, (
                 f"accepted {msg.accepted} outside 0..{session.last_gamma}"
             )
+        problem = path_problem(session.last_parents, msg.path, msg.accepted)
+        if problem:
+            return ErrorCode.INVALID_ARGUMENT, problem
         problem = self._token_problem(msg.appended, allow_empty=True)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, f"appended: {problem}"
@@ -339,3 +351,22 @@ class SessionTable:
             old.tags.discard(session.tag)
         session.routing_id = peer.routing_id
         peer.tags.add(session.tag)
+
+
+def path_problem(
+    parents: tuple[int, ...] | None, path: np.ndarray | None, accepted: int
+) -> str | None:
+    """Why a verdict's ``path`` does not fit the proposal it answers (None if it does): after a
+    chain no path; after a token tree with ``parents`` a path of ``accepted`` nodes, each the
+    child of the one before, from a child of the root."""
+    if parents is None:
+        return None if path is None else "path: the proposal it answers was a chain"
+    nodes = [] if path is None else path.tolist()
+    if len(nodes) != accepted:
+        return f"path of {len(nodes)} nodes for accepted {accepted}"
+    parent = -1
+    for node in nodes:
+        if not 0 <= node < len(parents) or parents[node] != parent:
+            return f"path: node {node} is not a child of {parent} in the tree"
+        parent = node
+    return None

@@ -13,6 +13,7 @@ committed after them: the recovered or bonus token, plus any it decoded alone me
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -23,7 +24,8 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
-from starsd import sampling
+from starsd import sampling, tree
+from starsd.hub.drafters.tree_draft import GrownTree, TreeShape
 from starsd.hub.drafters.vocab import DraftVocab
 from starsd.hub.policy import SessionPacing
 from starsd.protocol import Error, ErrorCode, Proposal, SamplingParams
@@ -40,6 +42,10 @@ class ChainState:
     gamma: int
     generator: torch.Generator  # the session's own draws, whoever else is drafted
     proposed: list[int] = field(default_factory=list)  # the last proposal's draft tokens
+    # the last proposal's tree (parents per token, starsd.tree), None: a chain
+    proposed_parents: list[int] | None = None
+    # this round's shape, set by the pacer (drafting thread): a token tree, or None: a chain
+    tree: TreeShape | None = None
     drafted: int = 0  # draft tokens proposed so far (verdicts received)
     kept: int = 0  # of which the target accepted
     # --gamma auto's estimates for this session (starsd.hub.policy.SessionPacing), made by the
@@ -74,6 +80,9 @@ class DraftJob(Generic[S]):
     proposed: int = 0  # tokens of the proposal this verdict answers (0: a span alone, or none)
     owner: bytes = b""  # the session's target (its key): its auto sessions share their figures
     auto: bool = False  # the hub chooses this session's gamma every round (--gamma auto)
+    # the verdict on a token tree: the accepted path's nodes (Draft.path); None after a chain
+    path: tuple[int, ...] | None = None
+    tree_nodes: int = 0  # > 0: the session's target verifies token trees of this many nodes
 
 
 class Proposer(Protocol[S]):
@@ -84,6 +93,7 @@ class Proposer(Protocol[S]):
     # the target hidden states a feature row holds (starsd.llama.tapped): () its last one
     feature_layers: tuple[int, ...]
     max_positions: int | None  # the draft's context limit, None when unbounded
+    trees: bool  # whether it drafts token trees (ChainState.tree); chains only when False
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> S:
         """State for a new session; nothing is computed until its first job."""
@@ -100,13 +110,27 @@ def new_chain_state(prompt: list[int], params: SamplingParams, gamma: int) -> Ch
     return ChainState(tokens=list(prompt), params=params, gamma=gamma, generator=generator)
 
 
-def commit_verdict(state: ChainState, accepted: int, appended: tuple[int, ...]) -> None:
-    """Commit the first ``accepted`` proposed tokens, then ``appended``; forget the proposal."""
-    state.tokens.extend(state.proposed[:accepted])
+def commit_verdict(
+    state: ChainState,
+    accepted: int,
+    appended: tuple[int, ...],
+    path: tuple[int, ...] | None = None,
+) -> None:
+    """Commit the first ``accepted`` proposed tokens (after a tree: the nodes on ``path``, which
+    the session table checked against the tree), then ``appended``; forget the proposal."""
+    if path is None:
+        state.tokens.extend(state.proposed[:accepted])
+    else:
+        state.tokens.extend(state.proposed[node] for node in path)
     state.tokens.extend(appended)
-    state.drafted += len(state.proposed)
+    state.drafted += len(state.proposed) if path is None else _depth(state.proposed_parents)
     state.kept += accepted
-    state.proposed = []
+    state.proposed, state.proposed_parents = [], None
+
+
+def _depth(parents: list[int] | None) -> int:
+    """A tree's depth: the draft positions it proposed for the acceptance rate."""
+    return max(tree.depths(parents), default=0) if parents else 0
 
 
 def fitting_gamma(state: ChainState, max_positions: int | None) -> int:
@@ -114,6 +138,24 @@ def fitting_gamma(state: ChainState, max_positions: int | None) -> int:
     if max_positions is None:
         return state.gamma
     return min(state.gamma, max_positions - len(state.tokens))
+
+
+def fitting_tree(state: ChainState, max_positions: int | None) -> TreeShape | None:
+    """The round's tree shape, its depth shortened to the draft's context (None: a chain)."""
+    shape = state.tree
+    if shape is None or max_positions is None:
+        return shape
+    depth = min(shape.depth, max_positions - len(state.tokens))
+    return dataclasses.replace(shape, depth=depth) if depth >= 1 else None
+
+
+def by_shape(rows: Sequence[R]) -> list[tuple[TreeShape | None, list[R]]]:
+    """Rows grouped by their round's shape (None: chains), each group drafted in its own
+    forwards: a tree's columns and a chain's steps do not share a feed."""
+    groups: dict[TreeShape | None, list[R]] = {}
+    for row in rows:
+        groups.setdefault(row.shape, []).append(row)
+    return list(groups.items())
 
 
 def propose_each(
@@ -145,6 +187,8 @@ class ChainRow(Generic[S]):
     # a sampled branch's generator state after each draw (a shorter hit resumes from one)
     rng_states: list[torch.Tensor] = field(default_factory=list)
     vocab: DraftVocab | None = None  # the draft's reduced vocabulary, if any (its proposer's)
+    shape: TreeShape | None = None  # this round's tree shape (None: a chain of ``gamma``)
+    grown: GrownTree | None = None  # a tree round's tree, once drafted (None: a chain)
 
     @property
     def state(self) -> S:
@@ -158,12 +202,24 @@ class ChainRow(Generic[S]):
 
     def restart(self) -> None:
         """Forget what a failed batch drew, before the row is drafted again alone."""
-        self.tokens, self.q_rows, self.rng_states = [], [], []
+        self.tokens, self.q_rows, self.rng_states, self.grown = [], [], [], None
+
+    def new_tree(self) -> GrownTree:
+        """An empty tree for this row's round, drawn with the row's generator."""
+        return GrownTree(self.state.params, self.rng)
 
     def proposal(self) -> Proposal:
         """The wire proposal of what the row drew; the session remembers it for the verdict."""
+        if self.grown is not None:
+            return self._tree_proposal(self.grown)
         self.state.proposed = self.tokens
         return make_proposal(self.job, self.tokens, self.q_rows, self.state.params, self.vocab)
+
+    def _tree_proposal(self, grown: GrownTree) -> Proposal:
+        self.state.proposed, self.state.proposed_parents = grown.tokens, grown.parents
+        made = make_proposal(self.job, grown.tokens, grown.q_rows, self.state.params, self.vocab)
+        parents = np.asarray(grown.parents, dtype=np.int32)  # [N]
+        return dataclasses.replace(made, parents=parents)
 
 
 R = TypeVar("R", bound=ChainRow)  # a proposer's own row type

@@ -25,14 +25,17 @@ from starsd.hub.drafters.base import (
     ChainRow,
     ChainState,
     DraftJob,
+    by_shape,
     commit_verdict,
     context_full,
     draw_step,
     fitting_gamma,
+    fitting_tree,
     make_proposal,
     new_chain_state,
     propose_batched,
 )
+from starsd.hub.drafters.tree_draft import ROOT, TreeBatch, TreeShape
 from starsd.protocol import Error, Proposal, SamplingParams
 
 
@@ -66,6 +69,7 @@ class EagleProposer:
         self.feature_width = head.feature_width  # W: one row the target sends
         self.feature_layers = head.feature_layers
         self.vocab = head.vocab
+        self.trees = True  # the head's attention takes a token tree's mask
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> EagleState:
         """A session's state; the prompt's features come with its first job."""
@@ -77,7 +81,7 @@ class EagleProposer:
 
     def _prepare(self, job: DraftJob[EagleState]) -> EagleRow | Proposal | Error:
         state = job.state
-        commit_verdict(state, job.accepted, job.appended)
+        commit_verdict(state, job.accepted, job.appended, job.path)
         n = 0 if job.features is None else len(job.features)
         gamma = fitting_gamma(state, self.max_positions)
         if gamma < 1:
@@ -89,9 +93,23 @@ class EagleProposer:
         if len(ids) != n:  # the table checks the row count; this guards the invariant
             raise ValueError(f"{n} features for {len(ids)} uncached tokens")
         feats = None if job.features is None else torch.from_numpy(job.features)
-        return EagleRow(job, gamma, vocab=self.vocab, ids=ids, features=feats)
+        shape = fitting_tree(state, self.max_positions)
+        return EagleRow(job, gamma, vocab=self.vocab, ids=ids, features=feats, shape=shape)
 
     def _draft(self, rows: list[EagleRow]) -> None:
+        caches = [self._draft_group(group, shape) for shape, group in by_shape(rows)]
+        for group in caches:  # commit only once every row has drawn
+            for row, cache in group:
+                _commit(row, cache)
+
+    def _draft_group(
+        self, rows: list[EagleRow], shape: TreeShape | None
+    ) -> list[tuple[EagleRow, SequenceCache]]:
+        if shape is None:
+            return self._draft_chain(rows)
+        return self._draft_tree(rows, shape)
+
+    def _draft_chain(self, rows: list[EagleRow]) -> list[tuple[EagleRow, SequenceCache]]:
         batch = RaggedBatch(
             tuple(r.state.real_pairs for r in rows),
             tuple(len(r.ids) for r in rows),
@@ -114,8 +132,55 @@ class EagleProposer:
                     batch.mask(filled + step + 1),
                     buffer,
                 )[:, 0]  # [B, H]
-        for i, row in enumerate(rows):  # commit only once every row has drawn
-            _commit(row, batch.scatter([buffer], i, 0))  # the chained guesses are not kept
+        # the chained guesses are not kept
+        return [(row, batch.scatter([buffer], i, 0)) for i, row in enumerate(rows)]
+
+    def _draft_tree(
+        self, rows: list[EagleRow], shape: TreeShape
+    ) -> list[tuple[EagleRow, SequenceCache]]:
+        """Grow every row's token tree (:mod:`~starsd.hub.drafters.tree_draft`): the real pairs,
+        then one forward per depth over the expanded nodes, each fed with its parent's
+        predicted feature (the root's: the prediction at the last real pair)."""
+        batch = RaggedBatch(
+            tuple(r.state.real_pairs for r in rows),
+            tuple(len(r.ids) for r in rows),
+            shape.fed_columns,
+        )
+        buffer = batch.gather(
+            [r.state.cache for r in rows], self.head.kv_shapes, self.head.dtype, self.head.device
+        )[0]
+        root = self._feed(batch, rows, buffer)  # [B, H]
+        filled = batch.cached_width + batch.fed_width
+        committed = batch.key_mask(filled).bool() if batch.padded else None
+        trees = TreeBatch([r.new_tree() for r in rows], shape, filled, committed, self.vocab)
+        predicted = [{ROOT: root[i]} for i in range(batch.rows)]  # node -> its prediction
+        root_position = batch.step_positions(0) - 1  # [B, 1]
+        logits, depth = self.head.logits(root)[:, None], 1  # [B, 1, K]
+        while trees.grow(logits, depth):
+            ids, fed, depths, allowed = trees.feed()  # [B, w] each, mask [B, w, T]
+            parents = self._parent_features(trees, fed, predicted, root)  # [B, w, H]
+            out = self.head.forward_batch(ids, parents, root_position + depths, allowed, buffer)
+            for i, nodes in enumerate(fed):
+                predicted[i].update((node, out[i, j]) for j, node in enumerate(nodes))
+            logits, depth = self.head.logits(out), depth + 1  # [B, w, K]
+        trees.finish()
+        for row, grown in zip(rows, trees.trees, strict=True):
+            row.grown = grown
+        return [(row, batch.scatter([buffer], i, 0)) for i, row in enumerate(rows)]
+
+    def _parent_features(
+        self,
+        trees: TreeBatch,
+        fed: list[list[int]],
+        predicted: list[dict[int, torch.Tensor]],
+        root: torch.Tensor,
+    ) -> torch.Tensor:
+        """[B, w, H] the prediction at each fed node's parent (zeros at padding)."""
+        out = root.new_zeros(len(fed), trees.shape.width, root.shape[-1])
+        for i, nodes in enumerate(fed):
+            for j, node in enumerate(nodes):
+                out[i, j] = predicted[i][trees.trees[i].parents[node]]
+        return out
 
     def _feed(self, batch: RaggedBatch, rows: list[EagleRow], buffer: LayerBuffer) -> torch.Tensor:
         """Feed every row's new real pairs; the head's prediction at each row's last one [B, H]."""

@@ -155,11 +155,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attend a ragged batch ``x`` [B, n, H] at ``positions`` [B, n] over ``buffer``, whose
         columns are real keys where ``key_mask`` [B, T] is 1 (every column when None; see
-        :mod:`starsd.batch`)."""
+        :mod:`starsd.batch`), causally; or where ``key_mask`` [B, n, T] bool, a token tree's
+        whole mask, is True."""
         n = x.shape[1]
         q, k, v = self.qkv(x, positions)
         first = buffer.filled
         keys, values = buffer.append(k, v)  # [B, kv, T, d]
+        if key_mask is not None and key_mask.dim() == 3:  # a token tree's mask [B, n, T], whole
+            return self.attend(q, keys, values, key_mask.to(x.device).bool()[:, None])
         columns = torch.arange(keys.shape[2], device=x.device)
         causal = columns[None, :] <= first + torch.arange(n, device=x.device)[:, None]  # [n, T]
         if key_mask is None:  # no padding: the causal mask alone

@@ -24,13 +24,16 @@ from starsd.hub.drafters.base import (
     ChainRow,
     ChainState,
     DraftJob,
+    by_shape,
     commit_verdict,
     context_full,
     draw_step,
     fitting_gamma,
+    fitting_tree,
     new_chain_state,
     propose_batched,
 )
+from starsd.hub.drafters.tree_draft import TreeBatch, TreeShape
 from starsd.hub.drafters.vocab import DraftVocab
 from starsd.llama import PaddedKeyValues
 from starsd.protocol import Error, Proposal, SamplingParams
@@ -69,6 +72,8 @@ class LlmProposer:
         self.kv_shapes = models.kv_shapes(draft)  # (heads, head_dim) per layer
         self.dtype = next(draft.model.parameters()).dtype
         self.record_alternatives = False  # set by the pre-drafter that reads them
+        # token trees need StarSD's own attention (a tree mask); transformers' drafts draw chains
+        self.trees = draft.decoder is not None
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> LlmState:
         """A session's state with an empty cache; the prompt is fed with its first job."""
@@ -79,12 +84,13 @@ class LlmProposer:
         return propose_batched(jobs, self._prepare, self._draft)
 
     def _prepare(self, job: DraftJob[LlmState]) -> LlmRow | Error:
-        feed = apply_verdict(job.state, job.accepted, job.appended)
+        feed = apply_verdict(job.state, job.accepted, job.appended, job.path)
         gamma = fitting_gamma(job.state, self.max_positions)
         if gamma < 1:
             return context_full(job)
+        shape = fitting_tree(job.state, self.max_positions) if self.trees else None
         alternatives: list[tuple[list[int], list[float]]] | None = (
-            [] if self.record_alternatives else None
+            [] if self.record_alternatives and shape is None else None
         )
         return LlmRow(
             job,
@@ -93,11 +99,16 @@ class LlmProposer:
             source=job.state.cache,
             alternatives=alternatives,
             vocab=self.vocab,
+            shape=shape,
         )
 
     def _draft(self, rows: list[LlmRow]) -> None:
-        for _ in self.draft_steps(rows):
-            pass
+        for shape, group in by_shape(rows):
+            if shape is None:
+                for _ in self.draft_steps(group):
+                    pass
+            else:
+                self._draft_tree(group, shape)
         for row in rows:  # commit only once every row has drawn
             assert row.cache is not None
             row.state.cache = row.cache
@@ -127,6 +138,44 @@ class LlmProposer:
                 logits = self._step(batch, buffers, fed, step, filled)  # [B, V]
         for i, row in enumerate(rows):
             row.cache = batch.scatter(buffers, i, row.gamma - 1, keep_cached=row.whole)
+
+    def _draft_tree(self, rows: list[LlmRow], shape: TreeShape) -> None:
+        """Grow every row's token tree (:mod:`~starsd.hub.drafters.tree_draft`): the committed
+        feed, then one forward per depth over the expanded nodes. Each row's cache keeps its
+        committed positions only (the tree's keys are dropped with the buffer)."""
+        batch = RaggedBatch(
+            tuple(r.source.length for r in rows),
+            tuple(len(r.feed) for r in rows),
+            shape.fed_columns,
+        )
+        buffers = batch.gather(
+            [r.source for r in rows], self.kv_shapes, self.dtype, self.draft.device
+        )
+        filled = batch.cached_width + batch.fed_width
+        ids = self._ids(batch.input_ids([r.feed for r in rows]))  # [B, F]
+        logits, _ = models.forward_batch(
+            self.draft, ids, batch.feed_positions(), PaddedKeyValues(buffers, batch.mask(filled))
+        )
+        root = self._drafted(logits[torch.arange(batch.rows), batch.last_fed()])  # [B, K]
+        committed = batch.key_mask(filled).bool() if batch.padded else None
+        trees = TreeBatch([r.new_tree() for r in rows], shape, filled, committed, self.vocab)
+        root_position = batch.step_positions(0) - 1  # [B, 1]
+        depth = 1
+        while trees.grow(logits if depth > 1 else root[:, None], depth):
+            ids, _, depths, allowed = trees.feed()  # [B, w] each, mask [B, w, T]
+            logits = self._drafted(
+                models.forward_batch(
+                    self.draft,
+                    self._ids(ids),
+                    root_position + depths,
+                    PaddedKeyValues(buffers, allowed),
+                )[0]
+            )  # [B, w, K]
+            depth += 1
+        trees.finish()
+        for i, (row, grown) in enumerate(zip(rows, trees.trees, strict=True)):
+            row.grown = grown
+            row.cache = batch.scatter(buffers, i, 0, keep_cached=row.whole)
 
     def next_logits(self, caches: list[SequenceCache], tokens: list[int]) -> torch.Tensor:
         """The draft's logits [B, V] after feeding one token on each cache (nothing kept)."""
@@ -168,14 +217,20 @@ class LlmProposer:
         return logits if self.vocab is None else logits[..., : self.vocab.size]
 
 
-def apply_verdict(state: LlmState, accepted: int, appended: tuple[int, ...]) -> list[int]:
-    """Commit the verdict and crop the cache to what stays valid.
+def apply_verdict(
+    state: LlmState,
+    accepted: int,
+    appended: tuple[int, ...],
+    path: tuple[int, ...] | None = None,
+) -> list[int]:
+    """Commit the verdict (``path``: after a token tree) and crop the cache to what stays valid.
 
     Returns the tokens to feed next: those committed but not cached (at least the last one,
-    whose logits give the first draft token).
+    whose logits give the first draft token). After a tree the cache holds committed positions
+    only, so it stays valid whole.
     """
     valid = min(state.cache.length, len(state.tokens) + accepted)
-    commit_verdict(state, accepted, appended)
+    commit_verdict(state, accepted, appended, path)
     valid = min(valid, len(state.tokens) - 1)
     state.cache.crop(valid)
     return state.tokens[valid:]

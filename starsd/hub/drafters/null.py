@@ -24,6 +24,7 @@ class NullProposer:
     feature_width = 0
     feature_layers: tuple[int, ...] = ()
     max_positions: int | None = None
+    trees = False  # chains only
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> ChainState:
         """Just the committed tokens; there is no model to prime."""
