@@ -23,7 +23,7 @@ from starsd.hub.drafters.eagle import EagleProposer
 from starsd.hub.drafters.llm import LlmProposer
 from starsd.hub.drafters.tree_draft import ROOT, GrownTree, TreeBatch, TreeShape
 from starsd.hub.sessions import path_problem
-from starsd.hub.shapes import ShapeChooser
+from starsd.hub.shapes import PHASE_ROUNDS, ShapeChooser
 from starsd.protocol import Proposal, SamplingParams
 
 PROMPTS = [[5, 17, 33, 8], [3, 4, 9], [21, 22, 23, 24, 25, 26, 27]]
@@ -203,31 +203,38 @@ def test_a_verdicts_path_must_be_a_root_path_of_the_tree_it_answers() -> None:
         assert path_problem(tree_parents, array, accepted) is not None
 
 
-def test_the_shape_rule_tries_both_then_keeps_the_faster_and_drafts_chains_when_loaded() -> None:
-    """Catches a rule that never tries trees (or chains), that ignores the measured tokens per
-    second, flaps between near-equal shapes, retries a losing shape at a fixed rate (each tree
-    round costs a CPU target twice a chain's), or drafts trees on a fully loaded hub."""
+def _phase_rounds(chooser: ShapeChooser, sessions: int, rate: dict[bool, float]) -> list[bool]:
+    """One phase of a target's ``sessions`` sessions, each round observed at ``rate`` tokens/s
+    for its shape (each session's previous round in the same phase, as the pacer records)."""
+    shapes = []
+    for _ in range(PHASE_ROUNDS):
+        for _session in range(sessions):
+            tree_round, phase = chooser.use_tree(loaded=False, sessions=sessions)
+            shapes.append(tree_round)
+            chooser.observe(tree_round, (phase, phase), int(rate[tree_round]), 1.0)
+    return shapes
+
+
+def test_a_target_tries_both_shapes_in_phases_then_keeps_the_faster() -> None:
+    """Catches sessions of one target deciding apart (a chain verified beside a tree costs what
+    the tree does, so both would measure alike), a rule that never tries trees (or chains),
+    ignores the measured tokens per second, flaps between near-equal shapes, retries a losing
+    shape at a fixed rate, counts rounds of another phase, or drafts trees on a loaded hub."""
     chooser = ShapeChooser()
-    tried = []
-    for _ in range(6):
-        tree_round = chooser.use_tree(loaded=False)
-        tried.append(tree_round)
-        chooser.observe(tree_round, 3 if tree_round else 2, 0.1)  # trees: 30 tok/s, chains 20
-    assert sorted(tried) == [False] * 3 + [True] * 3
-    assert chooser.use_tree(loaded=False) and not chooser.use_tree(loaded=True)
-    for _ in range(30):
-        chooser.observe(False, 31, 1.0)  # chains now 31 tok/s, within 5% of trees' ~30
-    assert chooser.use_tree(loaded=False)  # hysteresis: keeps trees
-    for _ in range(30):
-        chooser.observe(False, 40, 1.0)
-    picks = [chooser.use_tree(loaded=False) for _ in range(20)]
-    assert picks.count(False) >= 19  # chains now (one retry of trees at most)
-    retries = []
-    for _ in range(300):  # trees keep losing: their retries come further and further apart
-        tree_round = chooser.use_tree(loaded=False)
-        retries.append(tree_round)
-        chooser.observe(tree_round, 1 if tree_round else 40, 1.0)
-    assert 2 <= sum(retries) <= 4, sum(retries)
+    first = _phase_rounds(chooser, 3, {True: 30, False: 20})
+    second = _phase_rounds(chooser, 3, {True: 30, False: 20})
+    assert first == [False] * 12 and second == [True] * 12  # every session alike, chains first
+    assert _phase_rounds(chooser, 3, {True: 30, False: 20}) == [True] * 12  # trees won
+    assert chooser.use_tree(loaded=True, sessions=3) == (False, -1)
+    chooser.observe(True, (chooser.phase - 1, chooser.phase), 1000, 1.0)  # a round across
+    _phase_rounds(chooser, 3, {True: 30, False: 20})
+    assert chooser.goodput[True] < 100  # phases (others drafted chains) is not counted
+    for _ in range(20):  # chains now 33 tok/s, within 15% of trees' 30: trees stay
+        _phase_rounds(chooser, 3, {True: 30, False: 33})
+    assert chooser.best
+    shapes = [_phase_rounds(chooser, 1, {True: 1, False: 40})[0] for _ in range(200)]
+    assert not chooser.best and shapes[-20:].count(True) <= 1
+    assert 2 <= sum(shapes[20:]) <= 5  # retries of losing trees: further and further apart
 
 
 def test_sampling_a_tree_uses_the_sessions_own_generator(llama_pair: tuple[Path, Path]) -> None:

@@ -24,6 +24,7 @@ target's as before.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from starsd.hub.policy import (
     Pending,
     SessionPacing,
 )
+
+log = logging.getLogger("starsd.hub")
 
 _WAIT_SMOOTHING = 0.2  # W: weight of the newest queue wait
 _ALONE_SMOOTHING = 0.3  # T_alone: weight of the newest span
@@ -108,7 +111,10 @@ class Pacer:
             job.state.tree = None  # a pushed branch is a chain
             return Plan(job.taken)
         held = pacing.pending is not None  # after a span alone this round is the probe
+        before = pacing.chosen
         gamma = self.policy.next_round(pacing, load, probe=held)
+        if gamma != before and log.isEnabledFor(logging.DEBUG):
+            log.debug("session %s: gamma %d -> %d", job.tag.hex()[:8], before, gamma)
         if pacing.fixed is None:
             self.common.vote(gamma)
         span = self._span(job, pacing) if gamma == 0 else 0
@@ -117,21 +123,29 @@ class Pacer:
                 pacing.pending = _pending(job)
             return Plan(0, span, held=True)
         job.state.gamma = max(gamma, 1)
-        job.state.tree = self._shape(job, pacing, load)
+        job.state.tree, phase = self._shape(job, pacing, load)
         pacing.tree_round, pacing.asked_at = job.state.tree is not None, job.enqueued_at
+        pacing.shape_phases = (phase, pacing.shape_phases[0])
         return Plan(job.state.gamma, held=held)
 
-    def _shape(self, job: DraftJob, pacing: SessionPacing, load: Load | None) -> TreeShape | None:
-        """This round's token tree (None: a chain): never to a target that does not verify
-        trees, never for a pushed branch's round; under auto by :mod:`starsd.hub.shapes`."""
+    def _shape(
+        self, job: DraftJob, pacing: SessionPacing, load: Load | None
+    ) -> tuple[TreeShape | None, int]:
+        """This round's token tree (None: a chain) and its phase of the target's
+        :class:`~starsd.hub.shapes.ShapeChooser` (-1: none): never a tree to a target that
+        does not verify them, nor for a pushed branch's round; under auto the chooser's."""
         plan = self.trees
         if plan is None or job.tree_nodes < 1 or job.taken:
-            return None
+            return None, -1
         shape = dataclasses.replace(plan.shape, nodes=min(plan.shape.nodes, job.tree_nodes))
         if plan.mode == "on":
-            return shape
+            return shape, -1
+        if not self.policy.settled(pacing):  # chains until the gamma's figures are in
+            return None, -1
         loaded = load is not None and load.loaded
-        return shape if pacing.shared.shapes.use_tree(loaded) else None
+        shared = pacing.shared
+        tree, phase = shared.shapes.use_tree(loaded, len(shared.sessions))
+        return (shape if tree else None), phase
 
     def with_held(self, job: DraftJob) -> DraftJob:
         """``job`` with the verdict held since a span alone in its place (that verdict, then
@@ -197,7 +211,8 @@ class Pacer:
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.
         if job.proposed >= 1 and len(job.appended) == 1 and pacing.asked_at is not None:
             seconds = job.enqueued_at - pacing.asked_at  # the whole round, asked to answered
-            pacing.shared.shapes.observe(pacing.tree_round, job.accepted + 1, seconds)
+            shapes = pacing.shared.shapes
+            shapes.observe(pacing.tree_round, pacing.shape_phases, job.accepted + 1, seconds)
         if pacing.tree_round:  # a tree's path is no chain's acceptance per position
             return
         if pacing.fixed is None and job.proposed >= 1 and len(job.appended) == 1:

@@ -239,6 +239,8 @@ class SessionPacing:
     probing: bool = False  # the proposal in flight is the probe after a span alone
     explored: bool = False  # it decoded alone to time its target's T_alone
     tree_round: bool = False  # the proposal in flight is a token tree
+    # the ShapeChooser phases of the proposal in flight and of the one before (-1: none)
+    shape_phases: tuple[int, int] = (-1, -1)
     asked_at: float | None = None  # when the job that asked for it was queued
 
     @property
@@ -353,6 +355,17 @@ class GammaPolicy:
         if fixed == 0:  # --gamma 0: never drafts, so the longest spans cost fewest round trips
             pacing.alone_span = p.max_alone
         return pacing
+
+    def settled(self, s: SessionPacing) -> bool:
+        """Whether the session's rounds are past the warm-up: a fixed gamma, or its target's
+        estimate has its warm-up verdicts and T_alone is timed (when timing it is on). What
+        is measured before (rounds at the start gamma, spans alone) says little of a round
+        after: ``--tree auto`` compares shapes only from here."""
+        p = self.params
+        if s.fixed is not None:
+            return True
+        timed = s.alone_step is not None or not p.explore_tokens
+        return s.estimate.rounds >= p.warmup_rounds and timed
 
     def next_round(self, s: SessionPacing, load: Load | None, probe: bool = False) -> int:
         """This round's gamma for session ``s``; 0: decode alone for ``s.alone_span`` tokens.

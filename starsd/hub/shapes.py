@@ -11,24 +11,37 @@ path has no closed form in the per-position acceptance the gamma rule uses):
   rows of every draft forward, so at saturation it buys its longer path with hub time that other
   targets' chains would turn into more tokens (the field measured the same at batch > 16).
 
-Until each shape has been tried a few times the chooser alternates; afterwards it keeps the
-better one (with hysteresis) and tries the other again now and then, since which wins moves
-with the target's load, less and less often while it keeps losing. Owned by the drafting thread.
+A target decides as one, in phases: every session of the target drafts the phase's shape for
+about ``PHASE_ROUNDS`` rounds each, a round counts only if it and the session's round before
+were drafted in the running phase, and a phase's figure is its counted tokens over their
+seconds, every session pooled. Why: a target verifies its
+sequences in one forward padded to the longest row, so a chain verified beside another
+session's tree costs what the tree does; choosing per session (sessions in both shapes at once)
+made chains look as slow as trees, and one target batching 8 sequences drafted trees it could
+not afford (0.84x its batch alone). The first phases try each shape; then the better one runs
+(with hysteresis) and the other is tried again now and then, since which wins moves with the
+load, less and less often while it keeps losing. Owned by the drafting thread.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+log = logging.getLogger("starsd.hub")
+
 TREE_MODES = ("auto", "on", "off")
-_SMOOTHING = 0.2  # weight of the newest round in a shape's goodput
-_TRIALS = 3  # rounds of each shape before the chooser trusts the comparison
-# rounds before the losing shape is tried again; each retry that does not win doubles the
-# wait (a tree round costs a CPU target twice a chain's: retrying often would cost more than
-# the rule saves)
-_RETRY_EVERY = 24
-_MAX_RETRY_EVERY = 768
-_HYSTERESIS = 0.05  # keep the shape in use while the other is at most this much better
+PHASE_ROUNDS = 4  # rounds per session in one phase
+_SMOOTHING = 0.5  # weight of the newest phase in a shape's goodput
+_TRIALS = 3  # counted rounds of each shape before the chooser trusts the comparison
+# phases before the losing shape is tried again; each retry that does not win doubles the wait
+# (a tree round costs a CPU target about twice a chain's: frequent retries cost more than the
+# rule saves)
+_RETRY_EVERY = 4
+_MAX_RETRY_EVERY = 64
+# keep the favoured shape while the other is at most this much better (phases of one target
+# batching 8 sequences differed by 10-20% for one shape)
+_HYSTERESIS = 0.15
 
 
 @dataclass
@@ -37,38 +50,78 @@ class ShapeChooser:
 
     goodput: dict[bool, float] = field(default_factory=dict)  # tokens/s by "is a tree"
     rounds: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
-    current: bool = False  # the shape the last decision kept
-    decisions: int = 0
+    best: bool = False  # the shape the comparison favours
+    current: bool = False  # the running phase's shape
+    phase: int = 0  # the running phase's number (0: none yet)
+    left: int = 0  # decisions left in it
+    phases_since_retry: int = 0
     retry_every: int = _RETRY_EVERY  # doubles while retries lose; back to the start on a switch
-    next_retry: int = _RETRY_EVERY
+    decided: bool = False  # a comparison was made (and logged)
+    tokens: int = 0  # the running phase's counted rounds: tokens, seconds, how many
+    seconds: float = 0.0
+    counted: int = 0
 
-    def observe(self, tree: bool, tokens: int, seconds: float) -> None:
-        """A round of that shape committed ``tokens`` in ``seconds`` (its whole round)."""
-        if seconds <= 0:
-            return
-        rate = tokens / seconds
-        old = self.goodput.get(tree)
-        self.goodput[tree] = rate if old is None else old + _SMOOTHING * (rate - old)
-        self.rounds[tree] += 1
-
-    def use_tree(self, loaded: bool) -> bool:
-        """This round's shape: True for a tree."""
+    def use_tree(self, loaded: bool, sessions: int = 1) -> tuple[bool, int]:
+        """This round's shape for one of the target's ``sessions`` sessions (True: a tree),
+        and the phase it belongs to (-1: none, a chain because the hub is fully loaded)."""
         if loaded:
-            return False
-        self.decisions += 1
-        if min(self.rounds.values()) < _TRIALS:  # try both first, alternating
-            return self.rounds[True] <= self.rounds[False]
-        if self.decisions >= self.next_retry:  # the losing shape once more (a retry)
+            return False, -1
+        if self.left <= 0:
+            self._next_phase(max(sessions, 1))
+        self.left -= 1
+        return self.current, self.phase
+
+    def observe(self, tree: bool, phases: tuple[int, int], tokens: int, seconds: float) -> None:
+        """A round of that shape committed ``tokens`` in ``seconds`` (its whole round);
+        ``phases``: the phases its round and the session's round before were drafted in."""
+        if seconds <= 0 or tree != self.current or phases != (self.phase, self.phase):
+            return  # not in the running phase: other sessions may have drafted the other shape
+        self.tokens += tokens
+        self.seconds += seconds
+        self.counted += 1
+
+    def _fold(self) -> None:
+        """The phase that ends: its tokens over its seconds, into its shape's figure (a phase
+        pools every session's rounds: one round's rate swings with what the target's other
+        sequences do in its forward)."""
+        if self.counted:
+            rate, old = self.tokens / self.seconds, self.goodput.get(self.current)
+            self.goodput[self.current] = rate if old is None else old + _SMOOTHING * (rate - old)
+            self.rounds[self.current] += self.counted
+        self.tokens, self.seconds, self.counted = 0, 0.0, 0
+
+    def _next_phase(self, sessions: int) -> None:
+        if self.phase:
+            self._fold()
+        self.phase += 1
+        self.left = PHASE_ROUNDS * sessions
+        if min(self.rounds.values()) < _TRIALS:  # try each shape first, chains first
+            self.current = self.rounds[False] >= _TRIALS
+            return
+        self._compare()
+        self.phases_since_retry += 1
+        if self.phases_since_retry >= self.retry_every:  # the losing shape once more
+            self.phases_since_retry = 0
             self.retry_every = min(2 * self.retry_every, _MAX_RETRY_EVERY)
-            self.next_retry = self.decisions + self.retry_every
-            return not self.current
-        tree, chain = self.goodput[True], self.goodput[False]
-        was = self.current
-        if was:  # keep trees unless chains are clearly better, and the reverse
-            self.current = not chain > tree * (1 + _HYSTERESIS)
+            self.current = not self.best
         else:
-            self.current = tree > chain * (1 + _HYSTERESIS)
-        if self.current != was:
-            self.retry_every = _RETRY_EVERY
-            self.next_retry = self.decisions + _RETRY_EVERY
-        return self.current
+            self.current = self.best
+
+    def _compare(self) -> None:
+        """Keep the favoured shape unless the other is clearly better (logged when it turns)."""
+        tree, chain = self.goodput[True], self.goodput[False]
+        was = self.best
+        if was:
+            self.best = not chain > tree * (1 + _HYSTERESIS)
+        else:
+            self.best = tree > chain * (1 + _HYSTERESIS)
+        if self.best != was:
+            self.retry_every, self.phases_since_retry = _RETRY_EVERY, 0
+        if self.best != was or not self.decided:
+            self.decided = True
+            log.info(
+                "token trees %s: %.1f tokens/s a session with trees, %.1f with chains",
+                "on" if self.best else "off",
+                tree,
+                chain,
+            )
