@@ -51,8 +51,8 @@ help:
 	@echo "make bench-real  the real pair: standalone, hub (auto, gamma 1, 2), centralized, prompt lookup,"
 	@echo "                 --concurrency 4 and 8, beside the model -> results/bench-real.json [QUICK=1: ~2 min]"
 	@echo "make check-gpu   (NVIDIA GPU) onnxruntime CUDA/TensorRT vs torch -> results/gpu-backends.json;"
-	@echo "                 starsd profile draft/target of the SmolLM2 pair on cuda -> profiles/measured-cuda-*.json"
-	@echo "                 and starsd plan from them -> results/plan-cuda.json (without CUDA: skipped, one line)"
+	@echo "                 starsd profile of the SmolLM2 target and both drafters on cuda -> profiles/measured-cuda-*.json"
+	@echo "                 and starsd plan from them -> results/plan-cuda(-llm).json (without CUDA: skipped, one line)"
 	@echo "make load        streaming clients against edge.target --serve, hub vs --standalone"
 	@echo "                 (or URL=http://... a running server) -> results/load.json [QUICK=1]"
 

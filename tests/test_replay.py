@@ -193,6 +193,20 @@ def test_check_gpu_profile_skips_cleanly_without_cuda(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_check_gpu_profile_profiles_both_drafters_and_plans_from_each() -> None:
+    """Catches make check-gpu profiling only the draft LLM (the pair's default drafter is its
+    EAGLE-3 head, which needs its target to load) or planning from a profile it never wrote."""
+    args = check_gpu_profile.parse_args(["--out-dir", "p", "--plan", "r/plan-cuda.json"])
+    cmds = check_gpu_profile.commands(args)
+    written = {c[c.index("--out") + 1] for c in cmds if c[0] == "profile"}
+    head = next(c for c in cmds if c[:2] == ["profile", "draft"] and "eagle3" in c)
+    assert head[head.index("--target") + 1] == args.target
+    plans = [c for c in cmds if c[0] == "plan"]
+    assert [c[c.index("--json") + 1] for c in plans] == ["r/plan-cuda.json", "r/plan-cuda-llm.json"]
+    for plan in plans:
+        assert {plan[plan.index("--draft") + 1], plan[plan.index("--target") + 1]} <= written
+
+
 @pytest.mark.gpu
 def test_check_gpu_profile_profiles_and_plans_on_cuda(tmp_path: Path) -> None:
     """Catches: the CUDA profiles or the plan from them failing on a GPU machine (a cell not

@@ -23,7 +23,7 @@ from starsd.hub.drafters.eagle import EagleProposer
 from starsd.hub.drafters.llm import LlmProposer
 from starsd.hub.drafters.tree_draft import ROOT, GrownTree, TreeBatch, TreeShape
 from starsd.hub.sessions import path_problem
-from starsd.hub.shapes import PHASE_ROUNDS, ShapeChooser
+from starsd.hub.shapes import MIN_PHASE, PHASE_ROUNDS, ShapeChooser
 from starsd.protocol import Proposal, SamplingParams
 
 PROMPTS = [[5, 17, 33, 8], [3, 4, 9], [21, 22, 23, 24, 25, 26, 27]]
@@ -207,7 +207,7 @@ def _phase_rounds(chooser: ShapeChooser, sessions: int, rate: dict[bool, float])
     """One phase of a target's ``sessions`` sessions, each round observed at ``rate`` tokens/s
     for its shape (each session's previous round in the same phase, as the pacer records)."""
     shapes = []
-    for _ in range(PHASE_ROUNDS):
+    for _ in range(max(PHASE_ROUNDS, -(-MIN_PHASE // sessions))):
         for _session in range(sessions):
             tree_round, phase = chooser.use_tree(loaded=False, sessions=sessions)
             shapes.append(tree_round)

@@ -1,11 +1,13 @@
 """On a machine with CUDA: profile the SmolLM2 pair on the GPU and plan from the profiles.
 
     python -m scripts.bench.check_gpu_profile [--draft models/smollm2-draft]
-        [--target models/smollm2-135m-instruct] [--device cuda] [--out-dir profiles]
-        [--plan results/plan-cuda.json]          # part of make check-gpu
+        [--eagle3 models/smollm2-eagle3] [--target models/smollm2-135m-instruct]
+        [--device cuda] [--out-dir profiles] [--plan results/plan-cuda.json]  # make check-gpu
 
-Runs ``starsd profile draft`` and ``starsd profile target`` on ``--device`` (bfloat16), writing
-profiles/measured-cuda-<model>.json, then ``starsd plan`` from the two into ``--plan``. Without
+Runs ``starsd profile target`` and ``starsd profile draft`` (the EAGLE-3 head, the pair's
+default drafter, and the draft LLM) on ``--device`` (bfloat16), writing
+profiles/measured-cuda-<model>.json, then ``starsd plan`` from each drafter's profile with the
+target's: ``--plan`` (the head) and ``<plan>-llm.json`` (the draft LLM). Without
 CUDA it prints one line saying so and exits 0 (make check-gpu's other steps are unaffected).
 """
 
@@ -28,13 +30,20 @@ def profile_path(out_dir: str, model: str) -> Path:
 
 
 def commands(args: argparse.Namespace) -> list[list[str]]:
-    """The three ``starsd`` command lines: profile draft, profile target, plan."""
+    """The ``starsd`` command lines: profile the target, each drafter (the EAGLE-3 head, the
+    pair's default, and the draft LLM), and plan from each drafter's profile with the
+    target's (``--plan`` for the head, ``*-llm.json`` beside it for the draft LLM)."""
     draft, target = profile_path(args.out_dir, args.draft), profile_path(args.out_dir, args.target)
+    head = profile_path(args.out_dir, args.eagle3)
     common = ["--device", args.device, "--dtype", args.dtype]
+    plan_llm = str(Path(args.plan).with_name(Path(args.plan).stem + "-llm.json"))
+    head_kind = ["--draft-kind", "eagle3", "--target", args.target]
     return [
-        ["profile", "draft", "--model", args.draft, *common, "--out", str(draft)],
         ["profile", "target", "--model", args.target, *common, "--out", str(target)],
-        ["plan", "--draft", str(draft), "--target", str(target), "--json", args.plan],
+        ["profile", "draft", "--model", args.eagle3, *head_kind, *common, "--out", str(head)],
+        ["profile", "draft", "--model", args.draft, *common, "--out", str(draft)],
+        ["plan", "--draft", str(head), "--target", str(target), "--json", args.plan],
+        ["plan", "--draft", str(draft), "--target", str(target), "--json", plan_llm],
     ]
 
 
@@ -42,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """argparse (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--draft", default="models/smollm2-draft")
+    p.add_argument("--eagle3", default="models/smollm2-eagle3", help="the pair's EAGLE-3 head")
     p.add_argument("--target", default="models/smollm2-135m-instruct")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))

@@ -32,12 +32,13 @@ log = logging.getLogger("starsd.hub")
 
 TREE_MODES = ("auto", "on", "off")
 PHASE_ROUNDS = 4  # rounds per session in one phase
+MIN_PHASE = 8  # rounds in one phase, however few sessions
 _SMOOTHING = 0.5  # weight of the newest phase in a shape's goodput
 _TRIALS = 3  # counted rounds of each shape before the chooser trusts the comparison
 # phases before the losing shape is tried again; each retry that does not win doubles the wait
 # (a tree round costs a CPU target about twice a chain's: frequent retries cost more than the
 # rule saves)
-_RETRY_EVERY = 4
+_RETRY_EVERY = 16
 _MAX_RETRY_EVERY = 64
 # keep the favoured shape while the other is at most this much better (phases of one target
 # batching 8 sequences differed by 10-20% for one shape)
@@ -94,7 +95,9 @@ class ShapeChooser:
         if self.phase:
             self._fold()
         self.phase += 1
-        self.left = PHASE_ROUNDS * sessions
+        # (at least MIN_PHASE rounds: one session's 3 counted rounds of a 4-round phase misjudged
+        # trees by 20%)
+        self.left = max(PHASE_ROUNDS * sessions, MIN_PHASE)
         if min(self.rounds.values()) < _TRIALS:  # try each shape first, chains first
             self.current = self.rounds[False] >= _TRIALS
             return
