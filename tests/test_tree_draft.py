@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from test_drafting import eagle_oracle, greedy_oracle, head  # noqa: F401  (head: a fixture)
-from test_eagle_hub import _two_token_law, greedy_alone, trained_hub  # noqa: F401  (a fixture)
+from test_eagle_hub import _two_token_law, greedy_alone, law_pvalue, trained_hub  # noqa: F401  (a fixture)
 
 from edge.backends.torch import TorchBackend
 from edge.verifier import TargetSequence
@@ -333,8 +333,6 @@ def test_sampling_through_tree_rounds_matches_the_target_distribution(
     three children per node: catches q rows sent for the wrong node (a child's own instead of
     its parent's), siblings drawn with replacement, and a target that skips the residual
     after a rejected sibling."""
-    from scipy import stats
-
     trials, prompt = 1500, [5, 17, 33, 8]
     expected = _two_token_law(llama_target, prompt, SamplingParams(1.0, top_k=20))
     counts: dict[tuple[int, int], int] = {}
@@ -347,11 +345,7 @@ def test_sampling_through_tree_rounds_matches_the_target_distribution(
         counts[key] = counts.get(key, 0) + 1
     assert accepted > trials // 20, accepted  # drafts were accepted: the residuals were used
     assert set(counts) <= set(expected)
-    big = sorted(c for c in expected if trials * expected[c] >= 5)
-    observed = [counts.get(c, 0) for c in big] + [trials - sum(counts.get(c, 0) for c in big)]
-    wanted = [trials * expected[c] for c in big]
-    wanted.append(trials - sum(wanted))
-    assert stats.chisquare(observed, wanted).pvalue > 1e-3
+    assert law_pvalue(counts, expected, trials) > 1e-3
 
 
 @pytest.mark.slow

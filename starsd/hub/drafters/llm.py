@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from starsd import models
-from starsd.batch import RaggedBatch, SequenceCache
+from starsd.batch import LayerBuffer, RaggedBatch, SequenceCache
 from starsd.hub.drafters.base import (
     ChainRow,
     ChainState,
@@ -117,20 +117,8 @@ class LlmProposer:
     def draft_steps(self, rows: list[LlmRow]) -> Iterator[None]:
         """Draft ``rows`` together, pausing after each forward (pre-drafting runs one forward at
         a time between real jobs). Fills each row's tokens and ``cache``; commits nothing."""
-        batch = RaggedBatch(
-            tuple(r.source.length for r in rows),
-            tuple(len(r.feed) for r in rows),
-            max(r.gamma for r in rows) - 1,
-        )
-        buffers = batch.gather(
-            [r.source for r in rows], self.kv_shapes, self.dtype, self.draft.device
-        )
+        batch, buffers, logits = self._feed(rows, max(r.gamma for r in rows) - 1)
         filled = batch.cached_width + batch.fed_width
-        ids = self._ids(batch.input_ids([r.feed for r in rows]))  # [B, F]
-        logits, _ = models.forward_batch(
-            self.draft, ids, batch.feed_positions(), PaddedKeyValues(buffers, batch.mask(filled))
-        )
-        logits = self._drafted(logits[torch.arange(batch.rows), batch.last_fed()])  # [B, K]
         for step in range(batch.steps + 1):
             fed = draw_step(logits, rows, step, self.vocab)  # [B] draft ids
             if step < batch.steps:
@@ -139,14 +127,14 @@ class LlmProposer:
         for i, row in enumerate(rows):
             row.cache = batch.scatter(buffers, i, row.gamma - 1, keep_cached=row.whole)
 
-    def _draft_tree(self, rows: list[LlmRow], shape: TreeShape) -> None:
-        """Grow every row's token tree (:mod:`~starsd.hub.drafters.tree_draft`): the committed
-        feed, then one forward per depth over the expanded nodes. Each row's cache keeps its
-        committed positions only (the tree's keys are dropped with the buffer)."""
+    def _feed(
+        self, rows: list[LlmRow], steps: int
+    ) -> tuple[RaggedBatch, list[LayerBuffer], torch.Tensor]:
+        """Gather the rows' caches into buffers with room for ``steps`` more columns and feed
+        their uncached tokens: the batch, its buffers and the logits [B, K] after each row's
+        last fed token (its first draft position)."""
         batch = RaggedBatch(
-            tuple(r.source.length for r in rows),
-            tuple(len(r.feed) for r in rows),
-            shape.fed_columns,
+            tuple(r.source.length for r in rows), tuple(len(r.feed) for r in rows), steps
         )
         buffers = batch.gather(
             [r.source for r in rows], self.kv_shapes, self.dtype, self.draft.device
@@ -156,12 +144,19 @@ class LlmProposer:
         logits, _ = models.forward_batch(
             self.draft, ids, batch.feed_positions(), PaddedKeyValues(buffers, batch.mask(filled))
         )
-        root = self._drafted(logits[torch.arange(batch.rows), batch.last_fed()])  # [B, K]
+        return batch, buffers, self._drafted(logits[torch.arange(batch.rows), batch.last_fed()])
+
+    def _draft_tree(self, rows: list[LlmRow], shape: TreeShape) -> None:
+        """Grow every row's token tree (:mod:`~starsd.hub.drafters.tree_draft`): the committed
+        feed, then one forward per depth over the expanded nodes. Each row's cache keeps its
+        committed positions only (the tree's keys are dropped with the buffer)."""
+        batch, buffers, root = self._feed(rows, shape.fed_columns)  # root: [B, K]
+        filled = batch.cached_width + batch.fed_width
         committed = batch.key_mask(filled).bool() if batch.padded else None
         trees = TreeBatch([r.new_tree() for r in rows], shape, filled, committed, self.vocab)
         root_position = batch.step_positions(0) - 1  # [B, 1]
-        depth = 1
-        while trees.grow(logits if depth > 1 else root[:, None], depth):
+        logits, depth = root[:, None], 1  # [B, 1, K]
+        while trees.grow(logits, depth):
             ids, _, depths, allowed = trees.feed()  # [B, w] each, mask [B, w, T]
             logits = self._drafted(
                 models.forward_batch(
