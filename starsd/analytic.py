@@ -47,6 +47,11 @@ given S(B_1, g') (:mod:`starsd.service`: measured at the inputs' gamma, one feed
 steps, each costing as much as the feed), R (constant in g) and T_alone = T_ar, and repeats until g'
 = g (where the hub settles), or, should the rule cycle (0, then speculation once the hub idles),
 takes the cycle's best. gamma 0 is the target alone: N / T_ar, the hub idle.
+
+Token trees (``ModelInputs.tree``, a :class:`TreeRound`): every round drafts a tree instead of a
+chain, so S(B) is the curve's tree cost (:meth:`starsd.service.ServiceCurve.tree_at`) and E[L]
+the tree's own (:func:`expected_tree_tokens`, or measured); R then holds the verification of the
+tree's nodes.
 """
 
 from __future__ import annotations
@@ -63,6 +68,16 @@ from starsd.goodput import best_gamma
 from starsd.service import ServiceCurve
 
 MAX_TARGETS = 100_000  # how far saturation_point and break_even_targets search in N
+
+
+@dataclass(frozen=True)
+class TreeRound:
+    """Rounds that draft a token tree: grown ``depth`` deep, ``width`` nodes expanded per depth,
+    committing ``tokens_per_round`` on average (accepted path + the target's token)."""
+
+    width: int
+    depth: int
+    tokens_per_round: float
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,7 @@ class ModelInputs:
     # jobs of one batch arrive one after another, so the batch of B starts (B - 1) c after its
     # first (gathering waits for them)
     per_message_s: float = 0.0
+    tree: TreeRound | None = None  # every round drafts this tree (None: chains of gamma)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_rate <= 1.0:
@@ -101,6 +117,8 @@ class ModelInputs:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_batch > 1 and self.curve is None:
             raise ValueError("max_batch > 1 needs a service curve S(B)")
+        if self.tree is not None and self.curve is None:
+            raise ValueError("tree rounds need a service curve S(B, g) to cost their forwards")
 
 
 @dataclass(frozen=True)
@@ -127,6 +145,31 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+def expected_tree_tokens(alpha: float, sibling_alpha: float, parents: Sequence[int]) -> float:
+    """E[L] through the token tree of ``parents`` (``starsd.tree``; a node's children in the
+    draft's order of preference) when the target's next token is a node's first child with
+    probability ``alpha`` and, failing that, each next child in turn with ``sibling_alpha``:
+    1 + the sum over nodes of the chance their path is accepted. A chain gives
+    :func:`expected_tokens_per_round`."""
+    reach = [1.0] + [0.0] * len(parents)  # row 0: the root; row i + 1: node i
+    missed = [1.0] * (len(parents) + 1)  # per row: the chance its children so far all missed
+    elders = [0] * (len(parents) + 1)  # per row: its children so far
+    for node, parent in enumerate(parents):  # (a parent comes before its children)
+        row = parent + 1
+        hit = alpha if elders[row] == 0 else sibling_alpha
+        reach[node + 1] = reach[row] * missed[row] * hit
+        missed[row] *= 1 - hit
+        elders[row] += 1
+    return sum(reach)
+
+
+def tokens_per_round(inputs: ModelInputs) -> float:
+    """E[L] of the inputs' rounds: their tree's, or a chain's of gamma tokens."""
+    if inputs.tree is not None:
+        return inputs.tree.tokens_per_round
+    return expected_tokens_per_round(inputs.alpha, inputs.gamma)
+
+
 def alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
     """Invert E[accepted] = E[L] - 1 for alpha (bisection; E[L] grows with alpha)."""
     target = min(max(mean_accepted + 1.0, 1.0), gamma + 1.0)
@@ -143,8 +186,13 @@ def round_trip_outside_hub(inputs: ModelInputs) -> float:
 
 
 def service_s(inputs: ModelInputs, batch: int) -> float:
-    """S(batch): the curve's value, or ``draft_s`` for the one-at-a-time hub."""
-    return inputs.curve.at(batch, inputs.gamma) if inputs.curve is not None else inputs.draft_s
+    """S(batch): the curve's value (a tree round's with a tree), or ``draft_s`` for the
+    one-at-a-time hub."""
+    if inputs.curve is None:
+        return inputs.draft_s
+    if inputs.tree is not None:
+        return inputs.curve.tree_at(batch, inputs.tree.width, inputs.tree.depth)
+    return inputs.curve.at(batch, inputs.gamma)
 
 
 def batch_sizes(n_targets: int, max_batch: int) -> tuple[int, ...]:
@@ -191,7 +239,7 @@ def predict(inputs: ModelInputs, n_targets: int) -> Prediction:
     """Throughput and regime for ``n_targets`` targets."""
     idle, busy, k, first = _idle(inputs, n_targets)
     iteration = busy + idle  # T_gamma
-    tokens = expected_tokens_per_round(inputs.alpha, inputs.gamma)
+    tokens = tokens_per_round(inputs)
     return Prediction(
         n_targets=n_targets,
         regime="under-loaded" if idle > 0 else "fully-loaded",
@@ -220,7 +268,7 @@ def saturation_point(inputs: ModelInputs) -> int:
 def break_even_targets(inputs: ModelInputs) -> int:
     """Largest N up to which each target is at least as fast as standalone (0: not even one;
     capped at MAX_TARGETS): every N' <= N has T_gamma <= E[L] * T_ar."""
-    budget = expected_tokens_per_round(inputs.alpha, inputs.gamma) * inputs.target_step_s
+    budget = tokens_per_round(inputs) * inputs.target_step_s
     for n in range(1, MAX_TARGETS + 1):
         idle, busy, _, _ = _idle(inputs, n)
         if busy + idle > budget:
@@ -318,7 +366,8 @@ def inputs_from_json(raw: dict[str, Any]) -> ModelInputs:
     curve = ServiceCurve.proportional(points, raw["gamma"]) if points else None
     if legacy is not None and "sizes" in legacy:  # dataclasses.asdict of this one
         curve = ServiceCurve(*(tuple(legacy[k]) for k in ("sizes", "first", "step")))
-    return ModelInputs(**raw, curve=curve)
+    tree = raw.pop("tree", None)
+    return ModelInputs(**raw, curve=curve, tree=None if tree is None else TreeRound(**tree))
 
 
 def inputs_from_bench(path: str | Path) -> ModelInputs:

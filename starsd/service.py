@@ -72,6 +72,13 @@ class ServiceCurve:
         a, b = self.costs_of(batch)
         return a + (gamma - 1) * b
 
+    def tree_at(self, batch: int, width: int, depth: int) -> float:
+        """A batch of ``batch`` token trees grown ``depth`` deep, ``width`` nodes expanded per
+        depth: the feed forward of the batch, then one forward per further depth over its
+        ``batch * width`` expanded nodes (as :mod:`starsd.hub.drafters.tree_draft` feeds
+        them): a(B) + (depth - 1) b(B * width)."""
+        return self.costs_of(batch)[0] + (depth - 1) * self.costs_of(batch * width)[1]
+
     def costs(self, batch: int, max_gamma: int) -> list[float]:
         """[S(B, g) for g = 0..max_gamma] (index 0 is 0: no drafting)."""
         a, b = self.costs_of(batch)

@@ -9,7 +9,8 @@ import pytest
 from conftest import RunningHub
 
 from scripts.bench import scale as bench_scale
-from scripts.emulate.emulated import EmulationConfig, Phases, accepted_count, emulate, schedule
+from scripts.emulate.acceptance import accepted_count
+from scripts.emulate.emulated import EmulationConfig, Phases, emulate, schedule
 from starsd import analytic
 
 CONTRACT = {

@@ -203,38 +203,73 @@ def test_a_verdicts_path_must_be_a_root_path_of_the_tree_it_answers() -> None:
         assert path_problem(tree_parents, array, accepted) is not None
 
 
-def _phase_rounds(chooser: ShapeChooser, sessions: int, rate: dict[bool, float]) -> list[bool]:
-    """One phase of a target's ``sessions`` sessions, each round observed at ``rate`` tokens/s
-    for its shape (each session's previous round in the same phase, as the pacer records)."""
-    shapes = []
-    for _ in range(max(PHASE_ROUNDS, -(-MIN_PHASE // sessions))):
-        for _session in range(sessions):
-            tree_round, phase = chooser.use_tree(loaded=False, sessions=sessions)
-            shapes.append(tree_round)
-            chooser.observe(tree_round, (phase, phase), int(rate[tree_round]), 1.0)
-    return shapes
+class _Rounds:
+    """Rounds of a hub's sessions against a :class:`ShapeChooser`, on a clock of their own:
+    each round lasts 1 s and the sessions run at once, so rounds end 1 / sessions s apart."""
+
+    def __init__(self) -> None:
+        self.chooser, self.now = ShapeChooser(), 0.0
+
+    def run(self, sessions: int, rate: dict[bool, float], rounds: int) -> str:
+        """``rounds`` rounds, each observed at ``rate`` tokens/s for its shape; the shapes
+        drafted, "t" a tree and "c" a chain."""
+        drafted = ""
+        for _ in range(rounds):
+            tree_round, phase = self.chooser.use_tree(loaded=False, now=self.now)
+            self.chooser.observe(tree_round, (phase, phase), int(rate[tree_round]), 1.0)
+            self.now += 1.0 / sessions
+            drafted += "t" if tree_round else "c"
+        return drafted
+
+    def phase(self, sessions: int, rate: dict[bool, float]) -> str:
+        """One phase's worth of rounds once the chooser knows the load: PHASE_ROUNDS each."""
+        return self.run(sessions, rate, max(PHASE_ROUNDS * sessions, MIN_PHASE))
 
 
-def test_a_target_tries_both_shapes_in_phases_then_keeps_the_faster() -> None:
-    """Catches sessions of one target deciding apart (a chain verified beside a tree costs what
-    the tree does, so both would measure alike), a rule that never tries trees (or chains),
-    ignores the measured tokens per second, flaps between near-equal shapes, retries a losing
-    shape at a fixed rate, counts rounds of another phase, or drafts trees on a loaded hub."""
-    chooser = ShapeChooser()
-    first = _phase_rounds(chooser, 3, {True: 30, False: 20})
-    second = _phase_rounds(chooser, 3, {True: 30, False: 20})
-    assert first == [False] * 12 and second == [True] * 12  # every session alike, chains first
-    assert _phase_rounds(chooser, 3, {True: 30, False: 20}) == [True] * 12  # trees won
-    assert chooser.use_tree(loaded=True, sessions=3) == (False, -1)
+def test_the_hub_tries_both_shapes_in_phases_then_keeps_the_faster() -> None:
+    """Catches sessions deciding apart (a chain verified beside a tree costs what the tree
+    does, and a batch of both shapes drafts both), phases not sized by the rounds in flight
+    (PHASE_ROUNDS each), a rule that never tries trees (or chains), ignores the measured tokens
+    per second, flaps between near-equal shapes, retries a losing shape at a fixed rate,
+    counts rounds of another phase, or drafts trees on a loaded hub."""
+    hub, faster_trees = _Rounds(), {True: 30, False: 20}
+    assert hub.run(3, faster_trees, MIN_PHASE) == "c" * MIN_PHASE  # chains first
+    assert hub.phase(3, faster_trees) == "t" * 12  # 3 sessions in flight: 4 rounds each
+    assert hub.phase(3, faster_trees) == "t" * 12  # trees won
+    chooser = hub.chooser
+    assert chooser.use_tree(loaded=True, now=hub.now) == (False, -1)
     chooser.observe(True, (chooser.phase - 1, chooser.phase), 1000, 1.0)  # a round across
-    _phase_rounds(chooser, 3, {True: 30, False: 20})
+    hub.phase(3, faster_trees)
     assert chooser.goodput[True] < 100  # phases (others drafted chains) is not counted
     for _ in range(20):  # chains now 33 tok/s, within 15% of trees' 30: trees stay
-        _phase_rounds(chooser, 3, {True: 30, False: 33})
+        hub.phase(3, {True: 30, False: 33})
     assert chooser.best
-    shapes = [_phase_rounds(chooser, 1, {True: 1, False: 40})[0] for _ in range(200)]
-    assert not chooser.best and shapes[-20:].count(True) <= 1
-    assert 2 <= sum(shapes[20:]) <= 5  # retries of losing trees: further and further apart
+    shapes = [hub.phase(3, {True: 1, False: 40})[0] for _ in range(200)]
+    assert not chooser.best and shapes[-20:].count("t") <= 1
+    assert 2 <= shapes[20:].count("t") <= 5  # retries of losing trees: further and further apart
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ({True: 15, False: 20}, {True: 4, False: 8}),  # chains stay best, both slow down
+        ({True: 30, False: 20}, {True: 5, False: 10}),  # trees were best, now chains are
+    ],
+)
+def test_a_shape_figure_from_another_load_is_measured_anew(
+    before: dict[bool, float], after: dict[bool, float]
+) -> None:
+    """Catches comparing a shape measured at 3 sessions with one measured at 12 (every rate
+    falls with the load, so a stale figure wins: a hub going from 8 to 64 targets drafted half
+    its rounds as losing trees) and smoothing a figure across loads: after the load grows,
+    the other shape is drafted for one phase at most, then chains win for good."""
+    hub = _Rounds()
+    hub.run(3, before, 400)
+    assert hub.chooser.best == (before[True] > before[False])
+    moved = hub.run(12, after, 12 * PHASE_ROUNDS * 6)
+    assert moved.count("t") <= 12 * PHASE_ROUNDS + 3 * PHASE_ROUNDS  # (a phase sized for 3)
+    assert moved[-12 * PHASE_ROUNDS * 3 :] == "c" * (12 * PHASE_ROUNDS * 3)
+    assert not hub.chooser.best
 
 
 def test_sampling_a_tree_uses_the_sessions_own_generator(llama_pair: tuple[Path, Path]) -> None:

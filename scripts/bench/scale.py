@@ -28,6 +28,7 @@ from typing import Any
 
 from edge.client import TargetInfo
 from scripts.bench import gamma as bench_gamma
+from scripts.bench import trees as bench_trees
 from scripts.bench.common import (
     NULL_HUB_ARGS,
     BenchConfig,
@@ -47,6 +48,7 @@ from starsd.stats import latency_summary
 ONE_AT_A_TIME, BATCHED = "one-at-a-time", "batched"
 HUBS = (ONE_AT_A_TIME, BATCHED)
 AUTO_HUB = "auto"  # the batched hub under --gamma auto (fixed gammas run on "batched")
+TREES_ON_HUB = "trees-on"  # the auto hub under --tree on (the tree comparison's)
 BUSY_FULL = 0.95  # the model's fully-loaded regime, as measured: the hub no longer idles
 QUICK_OVERHEAD_ROUNDS = 300
 # The emulated targets append random tokens, so a pre-drafted branch (a guess at the verdict)
@@ -264,6 +266,11 @@ def suite_hubs(
         AUTO_HUB: (
             work / "hub-scale-auto.log",
             [*common, "--gamma", "auto", "--max-batch", str(cfg.max_batch)],
+            cpus[0],
+        ),
+        TREES_ON_HUB: (
+            work / "hub-scale-trees-on.log",
+            [*common, "--gamma", "auto", "--tree", "on", "--max-batch", str(cfg.max_batch)],
             cpus[0],
         ),
     }
@@ -648,6 +655,10 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         gamma_reports = bench_gamma.run_comparison(cfg, emulate_on(BATCHED), emulate_on(AUTO_HUB))
     with phases("switch"):
         switch_report = bench_gamma.run_switch(cfg, emulate_on(AUTO_HUB))
+    with phases("trees"):
+        tree_reports = bench_trees.run_comparison(
+            cfg, emulate_on(AUTO_HUB), emulate_on(TREES_ON_HUB)
+        )
     for name, (proc, _) in hubs.items():
         if name not in ("null", "null-pinned"):  # (those were stopped after their probes)
             stop(proc)
@@ -687,12 +698,18 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         steadiness = latency_steadiness(runs[ONE_AT_A_TIME], one_to_one, base["n_full_measured"])
     top = summaries[BATCHED]  # the default hub's figures, where one hub's were before
     gamma_inputs = bench_gamma.model_inputs(cfg, batched_model, gamma_reports)
+    tree_inputs = (
+        None
+        if gamma_inputs is None
+        else bench_trees.tree_inputs(gamma_inputs, tree_reports, bench_trees.hub_shape())
+    )
     return {
         "runs": [
             *runs[ONE_AT_A_TIME],
             *runs[BATCHED],
             *([one_to_one] if one_to_one else []),
             *bench_gamma.records(gamma_reports, gamma_inputs),
+            *bench_trees.records(tree_reports, gamma_inputs, tree_inputs),
         ],
         # the batched hub's model with its S(B) (what `make analytic` reads), then the baseline's
         "model_inputs": analytic.inputs_as_json(batched_model or inputs[BATCHED]),
@@ -726,6 +743,8 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         "gamma_model_inputs": None
         if gamma_inputs is None
         else analytic.inputs_as_json(gamma_inputs),
+        # --tree auto vs chains only vs --tree on per N (scripts/bench/trees.py)
+        "tree_comparison": bench_trees.compare(tree_reports, gamma_inputs, tree_inputs),
         "phase_s": phases.seconds,
     }
 
@@ -769,6 +788,7 @@ def markdown(result: dict) -> str:
             f"* S(B) {kind}: S(8)/S(1) {d['s8_over_s1']:.2f}, S(32)/S(1) {d['s32_over_s1']:.2f}"
         )
     lines += bench_gamma.markdown(result)
+    lines += bench_trees.markdown(result.get("tree_comparison"))
     return "\n".join(lines)
 
 
@@ -781,11 +801,14 @@ def plot(result: dict, path: Path) -> None:
 
     from scripts.bench.service import plot_curves
 
-    gamma = result.get("gamma_comparison")
-    fig, axes = plt.subplots(1, 3 if gamma else 2, figsize=(19 if gamma else 13, 4.8))
+    gamma, trees = result.get("gamma_comparison"), result.get("tree_comparison")
+    panels = 2 + bool(gamma) + bool(trees)
+    fig, axes = plt.subplots(1, panels, figsize=(6.3 * panels, 4.8))
     ax, ax_s = axes[0], axes[1]
     if gamma:
         bench_gamma.plot(gamma, axes[2])
+    if trees:
+        bench_trees.plot(trees, axes[-1])
     for hub, style in ((ONE_AT_A_TIME, "C0"), (BATCHED, "C1")):
         runs = [r for r in result["runs"] if r["mode"] == f"emulated-{hub}"]
         if not runs:

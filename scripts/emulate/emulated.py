@@ -14,7 +14,9 @@ in one DRAFT with accepted 0. ``--verify-ms-per-token`` makes the verify time gr
 proposal (``--verify-ms`` + that per draft token), so that longer drafts cost the target what
 they cost a real one. ``--alpha-switch A --switch-at F`` changes the acceptance rate to A once F
 of the run after the warm-up has passed, and ``--trace-gamma`` (implied by a switch) records
-every session's proposal lengths round by round (``gamma_trace``).
+every session's proposal lengths round by round (``gamma_trace``). ``--tree-nodes K`` announces
+token trees of up to K nodes in HELLO: a tree is verified in the verify time of its node count
+and its accepted path drawn as :mod:`scripts.emulate.acceptance` says (``--sibling-alpha``).
 
 ``--hub`` takes a comma list of hubs: each emulated target then keeps one connection per hub
 (an edge.hubs.HubPool, as a real target given ``--hub A,B``) and opens each sequence on
@@ -48,6 +50,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from edge.client import HubClient, TargetInfo
 from edge.hubs import HubPool, parse_hub_endpoints
+from scripts.emulate.acceptance import SIBLING_ALPHA, accepted_count, accepted_path
 from starsd import protocol, transport
 from starsd.profile import ProfileError, interpolate, load_profile
 from starsd.protocol import Proposal, SamplingParams, Stats
@@ -84,6 +87,10 @@ class EmulationConfig:
     trace_gamma: bool = False  # record every session's proposal lengths (gamma_trace)
     profile: str = ""  # a target profile: verify and alone times follow its V(1, g) and T(1)
     verify_points: tuple[tuple[int, float], ...] = ()  # its (gamma, V(1, gamma) seconds)
+    tree_nodes: int = 0  # > 0: the targets verify token trees of up to this many nodes
+    sibling_alpha: float = (
+        SIBLING_ALPHA  # a tree's runner-up acceptance (scripts.emulate.acceptance)
+    )
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -164,7 +171,9 @@ class TargetRecord:
     proposed: int = 0  # draft tokens in those proposals
     alone_spans: int = 0  # PROPOSALs with alone = K, honoured (in the window)
     alone_tokens: int = 0
-    gammas: dict[int, int] = field(default_factory=dict)  # proposal length -> rounds (0: alone)
+    gammas: dict[int, int] = field(default_factory=dict)  # chain length -> rounds (0: alone)
+    tree_rounds: int = 0  # verified token trees, and the tokens they committed
+    tree_tokens: int = 0
     errors: int = 0  # sequences the hub ended with an ERROR (e.g. CONTEXT_FULL); reopened
     traces: list[dict] = field(default_factory=list)  # --trace-gamma: one per session
     bytes: int = 0
@@ -195,14 +204,6 @@ class HubRounds:
         self.rounds += 1
         self.tokens += tokens
         self.wait_s += wait_s
-
-
-def accepted_count(rng: random.Random, alpha: float, gamma: int) -> int:
-    """Accepted drafts of one round when each is accepted with probability alpha, in order."""
-    n = 0
-    while n < gamma and rng.random() < alpha:
-        n += 1
-    return n
 
 
 async def run_target(
@@ -270,7 +271,7 @@ async def _one_sequence(
             trace["gammas"].append(len(msg.tokens))
         if not len(msg.tokens) and msg.alone <= 0:  # nothing to verify nor to decode: the hub
             return  # cannot draft further (its context); a real target would finish alone
-        accepted, appended = await _answer(
+        accepted, appended, path = await _answer(
             cfg, rng, client.info.vocab_size, msg, phases, cfg.max_new_tokens - generated
         )
         in_window = _account(
@@ -288,23 +289,28 @@ async def _one_sequence(
         generated += accepted + len(appended)
         seq += 1
         asked = time.perf_counter()
-        await client.draft(tag, seq, accepted, appended)
+        await client.draft(tag, seq, accepted, appended, path=path)
 
 
 async def _answer(
     cfg: EmulationConfig, rng: random.Random, vocab: int, msg: Proposal, phases: Phases, left: int
-) -> tuple[int, list[int]]:
-    """Verify the proposal (wait the verify time, draw the accepted count), or decode the span
-    alone (as far as the sequence goes) that it asks for: (accepted, tokens appended). A span
-    stops where the run does (its tokens after the end would never count)."""
+) -> tuple[int, list[int], list[int] | None]:
+    """Verify the proposal (wait the verify time of its every node, draw what it accepts), or
+    decode the span alone (as far as the sequence goes) that it asks for: (accepted, tokens
+    appended, the accepted path after a token tree). A span stops where the run does (its
+    tokens after the end would never count)."""
     gamma = len(msg.tokens)
     if gamma:
         started = time.perf_counter()
         await asyncio.sleep(cfg.verify_s(gamma))
-        return accepted_count(rng, phases.alpha(cfg, started), gamma), [rng.randrange(vocab)]
+        alpha = phases.alpha(cfg, started)
+        if msg.parents is None:
+            return accepted_count(rng, alpha, gamma), [rng.randrange(vocab)], None
+        path = accepted_path(rng, alpha, cfg.sibling_alpha, msg.parents.tolist())
+        return len(path), [rng.randrange(vocab)], path
     span = max(1, min(msg.alone, left))
     await asyncio.sleep(min(span * cfg.step_alone_s, max(0.0, phases.finish - time.perf_counter())))
-    return 0, [rng.randrange(vocab) for _ in range(span)]
+    return 0, [rng.randrange(vocab) for _ in range(span)], None
 
 
 def _account(
@@ -368,11 +374,15 @@ def _record_round(
     """One round in the window: a verify (gamma >= 1), or a span decoded alone (gamma 0)."""
     gamma = len(msg.tokens)
     tokens = accepted + len(appended)
-    record.gammas[gamma] = record.gammas.get(gamma, 0) + 1
-    if gamma:
-        record.rounds += 1
+    if msg.parents is not None:  # a token tree: its nodes are no chain's draft positions
+        record.tree_rounds += 1
+        record.tree_tokens += tokens
+    else:
+        record.gammas[gamma] = record.gammas.get(gamma, 0) + 1
         record.proposed += gamma
         record.accepted += accepted
+    if gamma:
+        record.rounds += 1
         record.round_s += round_s
     else:
         record.alone_spans += 1
@@ -457,11 +467,13 @@ def full_report(
 def target_info(cfg: EmulationConfig) -> TargetInfo:
     """What the emulated targets claim in HELLO: given, or read from the model directory."""
     if cfg.vocab_size and cfg.tokenizer:
-        return TargetInfo("emulated", cfg.vocab_size, cfg.tokenizer)
+        return TargetInfo("emulated", cfg.vocab_size, cfg.tokenizer, tree_nodes=cfg.tree_nodes)
     from starsd import models  # torch and transformers: seconds, only when asked to read
 
     info = models.load_tokenizer_info(cfg.model or models.TOY_TARGET_DIR)
-    return TargetInfo("emulated", info.vocab_size, info.tokenizer_fingerprint)
+    return TargetInfo(
+        "emulated", info.vocab_size, info.tokenizer_fingerprint, tree_nodes=cfg.tree_nodes
+    )
 
 
 async def _warm_up(cfg: EmulationConfig, phases: Phases, tasks: list[asyncio.Task]) -> None:
@@ -612,6 +624,8 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], spans: list[Span])
     latencies = sorted(x for r in records for x in r.token_latency_s)
     tokens = sum(r.tokens for r in records)
     rounds = sum(r.rounds for r in records)
+    trees = sum(r.tree_rounds for r in records)
+    chains = rounds - trees
     proposed = sum(r.proposed for r in records)
     alone_spans = sum(r.alone_spans for r in records)
     gammas: dict[int, int] = {}
@@ -631,10 +645,13 @@ def report(cfg: EmulationConfig, records: list[TargetRecord], spans: list[Span])
         "hub_jobs": hub["jobs"],
         "queue_wait_ms": 1e3 * hub["queue_wait_s"] / jobs,
         "acceptance_rate": sum(r.accepted for r in records) / max(proposed, 1),
-        "mean_accepted": sum(r.accepted for r in records) / max(rounds, 1),
+        "mean_accepted": sum(r.accepted for r in records) / max(chains, 1),  # per chain
+        "tree_rounds": trees,
+        "tree_fraction": trees / max(rounds, 1),
+        "tokens_per_tree_round": sum(r.tree_tokens for r in records) / max(trees, 1),
         # the gammas the hub chose (fixed: the OPEN's), 0 for spans decoded alone
         "gamma_counts": {str(g): c for g, c in sorted(gammas.items())},
-        "mean_gamma": proposed / max(rounds + alone_spans, 1),
+        "mean_gamma": proposed / max(chains + alone_spans, 1),  # (chains and spans)
         "alone_spans": alone_spans,
         "alone_tokens": sum(r.alone_tokens for r in records),
         "sequence_errors": sum(r.errors for r in records),
@@ -726,6 +743,18 @@ def parse_args(argv: list[str] | None = None) -> EmulationConfig:
         default="",
         help="a target profile (starsd profile target): verify of g tokens takes its V(1, g), "
         "a token decoded alone its T(1) (overrides --verify-ms and --alone-step-ms)",
+    )
+    p.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=EmulationConfig.tree_nodes,
+        help="announce token trees of up to this many nodes (0: chains only)",
+    )
+    p.add_argument(
+        "--sibling-alpha",
+        type=float,
+        default=EmulationConfig.sibling_alpha,
+        help="in a tree, the chance each next child holds the token its elder siblings missed",
     )
     p.add_argument("--out")
     args = p.parse_args(argv)

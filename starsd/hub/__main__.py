@@ -165,9 +165,9 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
         default=HubConfig.tree,
         choices=TREE_MODES,
         help="token trees, for targets that verify them: auto (default) picks tree or chain "
-        "per round by each target's measured tokens per second (chains when the hub is fully "
-        "loaded); on: always trees; off: chains only (draft-kind llm with StarSD's forward, "
-        "eagle, eagle3)",
+        "for every session at once by the tokens per second measured in each (chains when the "
+        "hub is fully loaded); on: always trees; off: chains only (draft-kind llm with "
+        "StarSD's forward, eagle, eagle3, emulated)",
     )
     p.add_argument(
         "--tree-width",

@@ -44,7 +44,8 @@ class HubConfig:
     # pre-draft only while at most this many proposals are out: with more, the idle gaps are
     # short, few branches hit and a pre-draft step delays the real jobs that arrive meanwhile
     predraft_max_in_flight: int = 2
-    # token trees (targets that verify them): auto: the policy picks tree or chain per round;
+    # token trees (targets that verify them): auto: the policy picks tree or chain (for every
+    # session at once, in phases: starsd/hub/shapes.py);
     # on: always trees; off: chains only. Each tree expands tree_width nodes per depth with
     # tree_width children each, down to tree_depth, at most tree_nodes nodes
     tree: str = "auto"

@@ -44,6 +44,7 @@ from starsd.hub.policy import (
     Pending,
     SessionPacing,
 )
+from starsd.hub.shapes import ShapeChooser
 
 log = logging.getLogger("starsd.hub")
 
@@ -89,6 +90,7 @@ class Pacer:
         self.meter = LoadMeter(policy.params.loaded_busy)
         self.owners = OwnerMemory()  # each target's shared pacing (its auto sessions')
         self.common = CommonGamma(policy.params.max_gamma)  # what the auto sessions draft
+        self.shapes = ShapeChooser()  # --tree auto: tree or chain, for every session at once
         self.alone_s: float | None = None  # T_alone over the hub's sessions (smoothed)
 
     # ------------------------------------------------------------------ the engine's calls
@@ -123,15 +125,15 @@ class Pacer:
                 pacing.pending = _pending(job)
             return Plan(0, span, held=True)
         job.state.gamma = max(gamma, 1)
-        job.state.tree, phase = self._shape(job, pacing, load)
+        job.state.tree, phase = self._shape(job, pacing, load, now)
         pacing.tree_round, pacing.asked_at = job.state.tree is not None, job.enqueued_at
         pacing.shape_phases = (phase, pacing.shape_phases[0])
         return Plan(job.state.gamma, held=held)
 
     def _shape(
-        self, job: DraftJob, pacing: SessionPacing, load: Load | None
+        self, job: DraftJob, pacing: SessionPacing, load: Load | None, now: float
     ) -> tuple[TreeShape | None, int]:
-        """This round's token tree (None: a chain) and its phase of the target's
+        """This round's token tree (None: a chain) and its phase of the hub's
         :class:`~starsd.hub.shapes.ShapeChooser` (-1: none): never a tree to a target that
         does not verify them, nor for a pushed branch's round; under auto the chooser's."""
         plan = self.trees
@@ -143,8 +145,7 @@ class Pacer:
         if not self.policy.settled(pacing):  # chains until the gamma's figures are in
             return None, -1
         loaded = load is not None and load.loaded
-        shared = pacing.shared
-        tree, phase = shared.shapes.use_tree(loaded, len(shared.sessions))
+        tree, phase = self.shapes.use_tree(loaded, now)
         return (shape if tree else None), phase
 
     def with_held(self, job: DraftJob) -> DraftJob:
@@ -211,8 +212,7 @@ class Pacer:
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.
         if job.proposed >= 1 and len(job.appended) == 1 and pacing.asked_at is not None:
             seconds = job.enqueued_at - pacing.asked_at  # the whole round, asked to answered
-            shapes = pacing.shared.shapes
-            shapes.observe(pacing.tree_round, pacing.shape_phases, job.accepted + 1, seconds)
+            self.shapes.observe(pacing.tree_round, pacing.shape_phases, job.accepted + 1, seconds)
         if pacing.tree_round:  # a tree's path is no chain's acceptance per position
             return
         if pacing.fixed is None and job.proposed >= 1 and len(job.appended) == 1:

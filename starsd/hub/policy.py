@@ -70,7 +70,6 @@ from dataclasses import dataclass, field
 
 from starsd.goodput import gamma_rates, pick_gamma
 from starsd.hub.estimates import AcceptanceEstimate, LinearFit
-from starsd.hub.shapes import ShapeChooser
 
 
 @dataclass(frozen=True)
@@ -215,7 +214,6 @@ class TargetPacing:
     chosen: int = 0  # the gamma its sessions chose last (a new session starts there)
     # its sessions alive now (a session's pacing goes when its draft state does)
     sessions: weakref.WeakSet[SessionPacing] = field(default_factory=weakref.WeakSet)
-    shapes: ShapeChooser = field(default_factory=ShapeChooser)  # --tree auto: tree or chain
 
     def batched(self, session: SessionPacing) -> bool:
         """Whether another of its sessions is open beside ``session`` (the target's forwards

@@ -6,21 +6,24 @@ path has no closed form in the per-position acceptance the gamma rule uses):
 * under-loaded, a session's own tokens per second: each shape's committed tokens per round
   (accepted + 1) over its whole round's seconds, from the job that asked for it to the verdict
   on it (queue, drafting, the link and the target's verification of every node, which a tree
-  makes longer), smoothed per target (its sessions share one :class:`ShapeChooser`);
+  makes longer), pooled over the hub's sessions (they share one :class:`ShapeChooser`);
 * fully loaded (the hub's :class:`~starsd.hub.policy.LoadMeter`), chains: a tree multiplies the
   rows of every draft forward, so at saturation it buys its longer path with hub time that other
   targets' chains would turn into more tokens (the field measured the same at batch > 16).
 
-A target decides as one, in phases: every session of the target drafts the phase's shape for
-about ``PHASE_ROUNDS`` rounds each, a round counts only if it and the session's round before
-were drafted in the running phase, and a phase's figure is its counted tokens over their
-seconds, every session pooled. Why: a target verifies its
-sequences in one forward padded to the longest row, so a chain verified beside another
-session's tree costs what the tree does; choosing per session (sessions in both shapes at once)
-made chains look as slow as trees, and one target batching 8 sequences drafted trees it could
-not afford (0.84x its batch alone). The first phases try each shape; then the better one runs
-(with hysteresis) and the other is tried again now and then, since which wins moves with the
-load, less and less often while it keeps losing. Owned by the drafting thread.
+The hub decides as one, in phases: every session whose target verifies trees drafts the
+phase's shape for about ``PHASE_ROUNDS`` rounds each, a round counts only if it and the
+session's round before were drafted in the running phase, and a phase's figure is its counted
+tokens over their seconds, every session pooled. Why one shape at a time for everyone: both
+ends pay for a mix twice. A target verifies its sequences in one forward padded to the longest
+row, so a chain verified beside another session's tree costs what the tree does (choosing per
+session made chains look as slow as trees, and one target batching 8 sequences drafted trees
+it could not afford, 0.84x its batch alone); and the hub drafts a batch's chain rows and tree
+rows in separate forwards, so a batch holding both pays both (choosing per target, 8 targets
+under an H100 profile split between the shapes and made 0.77x the throughput of chains alone).
+The first phases try each shape; then the better one runs (with hysteresis) and the other is
+tried again now and then, since which wins moves with the load, less and less often while it
+keeps losing. Owned by the drafting thread.
 """
 
 from __future__ import annotations
@@ -43,11 +46,18 @@ _MAX_RETRY_EVERY = 64
 # keep the favoured shape while the other is at most this much better (phases of one target
 # batching 8 sequences differed by 10-20% for one shape)
 _HYSTERESIS = 0.15
+# a shape's figure is of another load once a phase's rounds in flight are this many times more
+# (or fewer) than when it was measured: every session's rate moves with the load, so a figure
+# from 8 sessions against one from 64 compares the loads, not the shapes (a hub going from 8 to
+# 64 emulated targets drafted half its rounds as trees that lost to chains). Rounds in flight,
+# not sessions seen: sessions come and go (one of 16 rounds each), and a phase sees more of
+# them than run at once
+_LOAD_CHANGE = 1.5
 
 
 @dataclass
 class ShapeChooser:
-    """Tree or chain for the rounds of one target's sessions (see the module docstring)."""
+    """Tree or chain for the rounds of the hub's sessions (see the module docstring)."""
 
     goodput: dict[bool, float] = field(default_factory=dict)  # tokens/s by "is a tree"
     rounds: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
@@ -61,20 +71,25 @@ class ShapeChooser:
     tokens: int = 0  # the running phase's counted rounds: tokens, seconds, how many
     seconds: float = 0.0
     counted: int = 0
+    began: float = 0.0  # when the running phase began
+    in_flight_s: float = 0.0  # the seconds of every round that ended in it, counted or not
+    concurrency: float = 1.0  # rounds in flight in the last phase: in_flight_s over its length
+    load: dict[bool, float] = field(default_factory=dict)  # concurrency of each shape's figure
 
-    def use_tree(self, loaded: bool, sessions: int = 1) -> tuple[bool, int]:
-        """This round's shape for one of the target's ``sessions`` sessions (True: a tree),
-        and the phase it belongs to (-1: none, a chain because the hub is fully loaded)."""
+    def use_tree(self, loaded: bool, now: float) -> tuple[bool, int]:
+        """This round's shape (True: a tree), asked at ``now``, and the phase it belongs to
+        (-1: none, a chain because the hub is fully loaded)."""
         if loaded:
             return False, -1
         if self.left <= 0:
-            self._next_phase(max(sessions, 1))
+            self._next_phase(now)
         self.left -= 1
         return self.current, self.phase
 
     def observe(self, tree: bool, phases: tuple[int, int], tokens: int, seconds: float) -> None:
         """A round of that shape committed ``tokens`` in ``seconds`` (its whole round);
         ``phases``: the phases its round and the session's round before were drafted in."""
+        self.in_flight_s += max(seconds, 0.0)
         if seconds <= 0 or tree != self.current or phases != (self.phase, self.phase):
             return  # not in the running phase: other sessions may have drafted the other shape
         self.tokens += tokens
@@ -84,22 +99,35 @@ class ShapeChooser:
     def _fold(self) -> None:
         """The phase that ends: its tokens over its seconds, into its shape's figure (a phase
         pools every session's rounds: one round's rate swings with what the target's other
-        sequences do in its forward)."""
+        sequences do in its forward); a figure of another load is replaced, not smoothed."""
         if self.counted:
             rate, old = self.tokens / self.seconds, self.goodput.get(self.current)
-            self.goodput[self.current] = rate if old is None else old + _SMOOTHING * (rate - old)
+            if old is not None and not self._stale(self.current):
+                rate = old + _SMOOTHING * (rate - old)
+            self.goodput[self.current] = rate
             self.rounds[self.current] += self.counted
+            self.load[self.current] = self.concurrency
         self.tokens, self.seconds, self.counted = 0, 0.0, 0
 
-    def _next_phase(self, sessions: int) -> None:
+    def _stale(self, tree: bool) -> bool:
+        """Whether that shape's figure was taken under another load than the last phase's."""
+        then, now = self.load.get(tree), max(self.concurrency, 1.0)
+        return then is not None and max(then, now) > _LOAD_CHANGE * max(min(then, now), 1.0)
+
+    def _next_phase(self, now: float) -> None:
         if self.phase:
+            if now > self.began and self.in_flight_s > 0:  # Little's law: L = lambda W
+                self.concurrency = self.in_flight_s / (now - self.began)
             self._fold()
-        self.phase += 1
-        # (at least MIN_PHASE rounds: one session's 3 counted rounds of a 4-round phase misjudged
-        # trees by 20%)
-        self.left = max(PHASE_ROUNDS * sessions, MIN_PHASE)
+        self.phase, self.began, self.in_flight_s = self.phase + 1, now, 0.0
+        # PHASE_ROUNDS rounds per session in flight (at least MIN_PHASE: one session's 3 counted
+        # rounds of a 4-round phase misjudged trees by 20%)
+        self.left = max(round(PHASE_ROUNDS * self.concurrency), MIN_PHASE)
         if min(self.rounds.values()) < _TRIALS:  # try each shape first, chains first
             self.current = self.rounds[False] >= _TRIALS
+            return
+        if self._stale(not self.current):  # the load moved: measure the other shape anew
+            self.current = not self.current
             return
         self._compare()
         self.phases_since_retry += 1

@@ -2,28 +2,46 @@
 costs what a profiled one costs, without its model.
 
 It drafts as the null proposer does (the last committed token gamma times; greedy only) and then
-sleeps until the batch has taken S(B, g) from a draft profile (``starsd profile draft``, or a
-published one), B the jobs in the call and g its longest proposal: the hub's batching, queueing
-and gamma policy then run against another machine's drafting costs (replaying a GPU hub's
-profile on a CPU). The sleep happens in the drafting thread, as a model's forward would.
+sleeps until the batch has taken what a draft profile (``starsd profile draft``, or a published
+one) says it costs: the hub's batching, queueing, gamma and tree policies then run against
+another machine's drafting costs (replaying a GPU hub's profile on a CPU). The sleep happens in
+the drafting thread, as a model's forward would.
+
+Token trees too (``--tree``): every tree of one shape has the same topology, the tree a draft
+grows (:mod:`~starsd.hub.drafters.tree_draft`, the real growth and pruning) when its k-th choice
+at every node holds :data:`CHOICE_WEIGHT` ** (k - 1) of its first choice's probability; a node's
+k-th listed child is its k-th choice and carries token k - 1 (siblings differ, as a target
+checks). Chain rows and tree rows of a batch are costed as the real proposers draft them, in
+separate forwards: S(B_chains, g) plus, per tree shape, a(B) + (depth - 1) b(B * width)
+(:meth:`starsd.service.ServiceCurve.tree_at`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 import time
 
-from starsd.hub.drafters.base import ChainState, DraftJob
+import numpy as np
+import torch
+
+from starsd.hub.drafters.base import ChainState, DraftJob, commit_verdict, make_proposal
 from starsd.hub.drafters.null import NullProposer
+from starsd.hub.drafters.tree_draft import GrownTree, TreeBatch, TreeShape
 from starsd.plan import service_curve
 from starsd.profile import load_profile
-from starsd.protocol import Error, Proposal
+from starsd.protocol import Error, Proposal, SamplingParams
 from starsd.service import ServiceCurve
+
+CHOICE_WEIGHT = 0.25  # a draft's next choice at a node: this much of the one before's probability
 
 
 class EmulatedProposer(NullProposer):
-    """Null drafting, paced to a service curve S(B, g)."""
+    """Null drafting (chains and trees), paced to a service curve S(B, g)."""
 
     kind = "emulated"
+    trees = True
 
     def __init__(self, curve: ServiceCurve) -> None:
         self.curve = curve
@@ -34,12 +52,53 @@ class EmulatedProposer(NullProposer):
         return cls(service_curve(load_profile(path, "draft")))
 
     def propose(self, jobs: list[DraftJob[ChainState]]) -> list[Proposal | Error]:
-        """Null proposals, returned once S(len(jobs), longest proposal) has passed."""
+        """Null proposals, returned once the batch's drafting time (:meth:`cost`) has passed."""
         began = time.perf_counter()
         results = super().propose(jobs)
-        gamma = max((len(r.tokens) for r in results if isinstance(r, Proposal)), default=0)
-        if gamma:
-            wait = self.curve.at(len(jobs), gamma) - (time.perf_counter() - began)
-            if wait > 0:
-                time.sleep(wait)
+        drafted = [
+            job.state
+            for job, r in zip(jobs, results, strict=True)
+            if isinstance(r, Proposal) and len(r.tokens)
+        ]
+        wait = self.cost(drafted) - (time.perf_counter() - began)
+        if wait > 0:
+            time.sleep(wait)
         return results
+
+    def cost(self, drafted: list[ChainState]) -> float:
+        """Seconds a batch of these sessions' proposals costs: the chain rows' forwards, then
+        each tree shape's (the real proposers draft them apart, ``base.by_shape``)."""
+        chains = [len(s.proposed) for s in drafted if s.tree is None]
+        seconds = self.curve.at(len(chains), max(chains)) if chains else 0.0
+        shapes: dict[TreeShape, int] = {}
+        for state in drafted:
+            if state.tree is not None:
+                shapes[state.tree] = shapes.get(state.tree, 0) + 1
+        for shape, rows in shapes.items():
+            seconds += self.curve.tree_at(rows, shape.width, shape.depth)
+        return seconds
+
+    def _draft(self, job: DraftJob[ChainState]) -> Proposal | Error:
+        state = job.state
+        if state.tree is None or not state.params.greedy:
+            return super()._draft(job)
+        commit_verdict(state, job.accepted, job.appended, job.path)
+        tokens, parents = ranked_tree(state.tree)
+        state.proposed, state.proposed_parents = list(tokens), list(parents)
+        proposal = make_proposal(job, state.proposed, [], state.params)
+        return dataclasses.replace(proposal, parents=np.asarray(parents, dtype=np.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def ranked_tree(shape: TreeShape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(tokens, parents) of the tree grown to ``shape`` by a draft whose choices at every node
+    weigh 1, CHOICE_WEIGHT, CHOICE_WEIGHT ** 2, ... (token k - 1: its k-th choice)."""
+    weights = [math.log(CHOICE_WEIGHT) * k for k in range(shape.width)]
+    choices = torch.tensor(weights, dtype=torch.float32)  # [width] logits, best first
+    grown = GrownTree(SamplingParams(), torch.Generator())
+    trees = TreeBatch([grown], shape, committed_columns=0, committed=None)
+    depth = 1
+    while trees.grow(choices.expand(1, shape.width, -1), depth):
+        depth += 1
+    trees.finish()
+    return tuple(grown.tokens), tuple(grown.parents)
