@@ -230,14 +230,13 @@ def test_the_hub_tries_both_shapes_in_phases_then_keeps_the_faster() -> None:
     """Catches sessions deciding apart (a chain verified beside a tree costs what the tree
     does, and a batch of both shapes drafts both), phases not sized by the rounds in flight
     (PHASE_ROUNDS each), a rule that never tries trees (or chains), ignores the measured tokens
-    per second, flaps between near-equal shapes, retries a losing shape at a fixed rate,
-    counts rounds of another phase, or drafts trees on a loaded hub."""
+    per second, flaps between near-equal shapes, retries a losing shape at a fixed rate, or
+    counts rounds of another phase."""
     hub, faster_trees = _Rounds(), {True: 30, False: 20}
     assert hub.run(3, faster_trees, MIN_PHASE) == "c" * MIN_PHASE  # chains first
     assert hub.phase(3, faster_trees) == "t" * 12  # 3 sessions in flight: 4 rounds each
     assert hub.phase(3, faster_trees) == "t" * 12  # trees won
     chooser = hub.chooser
-    assert chooser.use_tree(loaded=True, now=hub.now) == (False, -1)
     chooser.observe(True, (chooser.phase - 1, chooser.phase), 1000, 1.0)  # a round across
     hub.phase(3, faster_trees)
     assert chooser.goodput[True] < 100  # phases (others drafted chains) is not counted
@@ -247,6 +246,34 @@ def test_the_hub_tries_both_shapes_in_phases_then_keeps_the_faster() -> None:
     shapes = [hub.phase(3, {True: 1, False: 40})[0] for _ in range(200)]
     assert not chooser.best and shapes[-20:].count("t") <= 1
     assert 2 <= shapes[20:].count("t") <= 5  # retries of losing trees: further and further apart
+
+
+def test_a_re_trial_switches_only_by_a_wide_margin_then_compares_as_usual() -> None:
+    """Catches switching on the one phase each shape has had since the load moved by the
+    ordinary margin (a phase at the new load can still be settling: 64 sessions opening at
+    once read chains 20% low), and a wide margin that outlives that comparison (trees 20%
+    ahead must then win): chains stay for one more phase, then trees take over."""
+    hub = _Rounds()
+    hub.run(3, {True: 15, False: 20}, 400)
+    moved = hub.run(12, {True: 12, False: 10}, 12 * PHASE_ROUNDS * 6)
+    retrial = moved.index("t" * 48)
+    assert moved[retrial + 48 : retrial + 96] == "c" * 48  # 12 vs 10: within 30%
+    assert moved.endswith("t" * 96) and hub.chooser.best
+
+
+def test_trees_that_fill_the_hub_give_way_to_chains_until_their_retry() -> None:
+    """Catches a loaded hub drafting trees, and a tree figure kept from the rounds drafted
+    before the hub filled (they read fast while trees halve the hub's tokens): once a tree
+    phase fills the hub, chains run and trees wait for their retry, measured anew then."""
+    hub, faster_trees = _Rounds(), {True: 30, False: 20}
+    hub.run(3, faster_trees, MIN_PHASE + 24)
+    chooser = hub.chooser
+    assert chooser.best and chooser.current
+    assert chooser.use_tree(loaded=True, now=hub.now) == (False, -1)
+    assert not chooser.best and True not in chooser.goodput
+    after = hub.run(3, faster_trees, 12 * 20)
+    assert after[: 12 * 10] == "c" * 120  # chains, phase after phase
+    assert "t" * 12 in after and chooser.best  # the retry: trees measured anew, and faster
 
 
 @pytest.mark.parametrize(

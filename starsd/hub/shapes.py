@@ -53,6 +53,10 @@ _HYSTERESIS = 0.15
 # not sessions seen: sessions come and go (one of 16 rounds each), and a phase sees more of
 # them than run at once
 _LOAD_CHANGE = 1.5
+# after the load moved, both figures rest on one phase each, one of them taken while the load
+# was still settling (64 sessions opening at once read chains 20% low): switch only on twice
+# the margin
+_RETRIAL_HYSTERESIS = 2 * _HYSTERESIS
 
 
 @dataclass
@@ -75,11 +79,14 @@ class ShapeChooser:
     in_flight_s: float = 0.0  # the seconds of every round that ended in it, counted or not
     concurrency: float = 1.0  # rounds in flight in the last phase: in_flight_s over its length
     load: dict[bool, float] = field(default_factory=dict)  # concurrency of each shape's figure
+    retrial: bool = False  # the running phase measures the other shape anew after a load move
 
     def use_tree(self, loaded: bool, now: float) -> tuple[bool, int]:
         """This round's shape (True: a tree), asked at ``now``, and the phase it belongs to
         (-1: none, a chain because the hub is fully loaded)."""
         if loaded:
+            if self.current and self.phase:  # trees filled the hub
+                self._filled_by_trees()
             return False, -1
         if self.left <= 0:
             self._next_phase(now)
@@ -126,10 +133,12 @@ class ShapeChooser:
         if min(self.rounds.values()) < _TRIALS:  # try each shape first, chains first
             self.current = self.rounds[False] >= _TRIALS
             return
-        if self._stale(not self.current):  # the load moved: measure the other shape anew
-            self.current = not self.current
-            return
-        self._compare()
+        if len(self.goodput) == 2:  # (no tree figure since trees filled the hub)
+            if self._stale(not self.current):  # the load moved: measure the other anew
+                self.current, self.retrial = not self.current, True
+                return
+            self._compare(_RETRIAL_HYSTERESIS if self.retrial else _HYSTERESIS)
+            self.retrial = False
         self.phases_since_retry += 1
         if self.phases_since_retry >= self.retry_every:  # the losing shape once more
             self.phases_since_retry = 0
@@ -138,14 +147,29 @@ class ShapeChooser:
         else:
             self.current = self.best
 
-    def _compare(self) -> None:
-        """Keep the favoured shape unless the other is clearly better (logged when it turns)."""
+    def _filled_by_trees(self) -> None:
+        """The hub became fully loaded in a tree phase: trees lose at this load (a full hub
+        drafts chains, whose rounds cost it less), whatever the phase's rounds so far say
+        (they are the ones drafted before the hub filled: with the real draft on this CPU, 64
+        sessions' tree rounds read as fast as their chains while trees made 0.5x the tokens).
+        The phase ends; trees wait for their next retry, and are measured anew then."""
+        self.goodput.pop(True, None)
+        self.rounds[True] = max(self.rounds[True], _TRIALS)
+        if self.best or not self.decided:
+            log.info("token trees off: they fill the hub")
+        self.best = self.current = self.retrial = False
+        self.decided, self.left = True, 0
+        self.tokens, self.seconds, self.counted = 0, 0.0, 0
+
+    def _compare(self, margin: float) -> None:
+        """Keep the favoured shape unless the other is better by ``margin`` (logged when it
+        turns)."""
         tree, chain = self.goodput[True], self.goodput[False]
         was = self.best
         if was:
-            self.best = not chain > tree * (1 + _HYSTERESIS)
+            self.best = not chain > tree * (1 + margin)
         else:
-            self.best = tree > chain * (1 + _HYSTERESIS)
+            self.best = tree > chain * (1 + margin)
         if self.best != was:
             self.retry_every, self.phases_since_retry = _RETRY_EVERY, 0
         if self.best != was or not self.decided:
