@@ -222,8 +222,13 @@ class _Rounds:
         return drafted
 
     def phase(self, sessions: int, rate: dict[bool, float]) -> str:
-        """One phase's worth of rounds once the chooser knows the load: PHASE_ROUNDS each."""
-        return self.run(sessions, rate, max(PHASE_ROUNDS * sessions, MIN_PHASE))
+        """One phase's worth of rounds once the chooser knows the load."""
+        return self.run(sessions, rate, _phase(sessions))
+
+
+def _phase(sessions: int) -> int:
+    """A phase's rounds with ``sessions`` in flight: PHASE_ROUNDS each, at least MIN_PHASE."""
+    return max(PHASE_ROUNDS * sessions, MIN_PHASE)
 
 
 def test_the_hub_tries_both_shapes_in_phases_then_keeps_the_faster() -> None:
@@ -231,15 +236,18 @@ def test_the_hub_tries_both_shapes_in_phases_then_keeps_the_faster() -> None:
     does, and a batch of both shapes drafts both), phases not sized by the rounds in flight
     (PHASE_ROUNDS each), a rule that never tries trees (or chains), ignores the measured tokens
     per second, flaps between near-equal shapes, retries a losing shape at a fixed rate, or
-    counts rounds of another phase."""
+    counts a round drafted outside the phases (on a loaded hub)."""
     hub, faster_trees = _Rounds(), {True: 30, False: 20}
     assert hub.run(3, faster_trees, MIN_PHASE) == "c" * MIN_PHASE  # chains first
-    assert hub.phase(3, faster_trees) == "t" * 12  # 3 sessions in flight: 4 rounds each
-    assert hub.phase(3, faster_trees) == "t" * 12  # trees won
+    assert hub.phase(3, faster_trees) == "t" * _phase(3)  # every session alike
+    # the trees' rounds are folded once the next phase has ended (their verdicts are back)
+    assert hub.phase(3, faster_trees) == "c" * _phase(3)
+    assert hub.phase(3, faster_trees) == "t" * _phase(3)  # trees won
     chooser = hub.chooser
-    chooser.observe(True, (chooser.phase - 1, chooser.phase), 1000, 1.0)  # a round across
+    chooser.observe(True, (-1, -1), 1000, 1.0)  # a chain phase's loaded round: not counted
     hub.phase(3, faster_trees)
-    assert chooser.goodput[True] < 100  # phases (others drafted chains) is not counted
+    hub.phase(3, faster_trees)
+    assert chooser.goodput[True] < 100
     for _ in range(20):  # chains now 33 tok/s, within 15% of trees' 30: trees stay
         hub.phase(3, {True: 30, False: 33})
     assert chooser.best
@@ -255,10 +263,37 @@ def test_a_re_trial_switches_only_by_a_wide_margin_then_compares_as_usual() -> N
     ahead must then win): chains stay for one more phase, then trees take over."""
     hub = _Rounds()
     hub.run(3, {True: 15, False: 20}, 400)
-    moved = hub.run(12, {True: 12, False: 10}, 12 * PHASE_ROUNDS * 6)
-    retrial = moved.index("t" * 48)
-    assert moved[retrial + 48 : retrial + 96] == "c" * 48  # 12 vs 10: within 30%
-    assert moved.endswith("t" * 96) and hub.chooser.best
+    moved = hub.run(12, {True: 12, False: 10}, _phase(12) * 6)
+    retrial = moved.index("t" * _phase(12))
+    after = moved[retrial + _phase(12) : retrial + 2 * _phase(12)]
+    assert after == "c" * _phase(12)  # 12 vs 10: within 30%
+    assert moved.endswith("t" * 2 * _phase(12)) and hub.chooser.best
+
+
+def test_a_round_counts_when_the_sessions_round_before_was_of_its_shape() -> None:
+    """Catches counting a round whose session's round before was the other shape (the target
+    may have verified it beside the other shape's rows), dropping a round whose round before
+    was the same shape in the phase before, and dropping the rounds of a phase whose verdicts
+    come back after it ended (the long rounds: trees read 1.8x what they made)."""
+    chooser = ShapeChooser()
+    for i in range(MIN_PHASE):  # the chain trial, every round counted
+        tree_round, phase = chooser.use_tree(loaded=False, now=float(i))
+        chooser.observe(tree_round, (phase, phase), 10, 1.0)
+    assert chooser.use_tree(loaded=False, now=8.0) == (True, 2)  # the tree trial
+    chooser.observe(True, (2, 1), 1000, 1.0)  # its round before: a chain
+    assert chooser.phases[2].counted == 0
+    for _ in range(3):
+        chooser.observe(True, (2, 2), 30, 1.0)
+    for i in range(MIN_PHASE):  # phase 3 (chains: trees' rounds are still out)
+        chooser.use_tree(loaded=False, now=9.0 + i)
+    chooser.observe(True, (2, 2), 30, 3.0)  # a long tree round, back after its phase ended
+    for i in range(MIN_PHASE):
+        chooser.use_tree(loaded=False, now=20.0 + i)
+    assert chooser.current and chooser.goodput[True] == pytest.approx(120 / 6)
+    while chooser.phase < 5:  # trees again
+        chooser.use_tree(loaded=False, now=30.0)
+    chooser.observe(True, (5, 4), 30, 1.0)  # its round before: a tree, one phase back
+    assert chooser.phases[5].counted == 1
 
 
 def test_trees_that_fill_the_hub_give_way_to_chains_until_their_retry() -> None:
@@ -266,14 +301,14 @@ def test_trees_that_fill_the_hub_give_way_to_chains_until_their_retry() -> None:
     before the hub filled (they read fast while trees halve the hub's tokens): once a tree
     phase fills the hub, chains run and trees wait for their retry, measured anew then."""
     hub, faster_trees = _Rounds(), {True: 30, False: 20}
-    hub.run(3, faster_trees, MIN_PHASE + 24)
+    hub.run(3, faster_trees, MIN_PHASE + 3 * _phase(3))
     chooser = hub.chooser
     assert chooser.best and chooser.current
     assert chooser.use_tree(loaded=True, now=hub.now) == (False, -1)
     assert not chooser.best and True not in chooser.goodput
-    after = hub.run(3, faster_trees, 12 * 20)
-    assert after[: 12 * 10] == "c" * 120  # chains, phase after phase
-    assert "t" * 12 in after and chooser.best  # the retry: trees measured anew, and faster
+    after = hub.run(3, faster_trees, _phase(3) * 20)
+    assert after[: _phase(3) * 10] == "c" * _phase(3) * 10  # chains, phase after phase
+    assert "t" * _phase(3) in after and chooser.best  # the retry: trees measured anew, faster
 
 
 @pytest.mark.parametrize(
@@ -289,13 +324,14 @@ def test_a_shape_figure_from_another_load_is_measured_anew(
     """Catches comparing a shape measured at 3 sessions with one measured at 12 (every rate
     falls with the load, so a stale figure wins: a hub going from 8 to 64 targets drafted half
     its rounds as losing trees) and smoothing a figure across loads: after the load grows,
-    the other shape is drafted for one phase at most, then chains win for good."""
+    the other shape is measured anew in one phase, then chains win for good."""
     hub = _Rounds()
     hub.run(3, before, 400)
     assert hub.chooser.best == (before[True] > before[False])
-    moved = hub.run(12, after, 12 * PHASE_ROUNDS * 6)
-    assert moved.count("t") <= 12 * PHASE_ROUNDS + 3 * PHASE_ROUNDS  # (a phase sized for 3)
-    assert moved[-12 * PHASE_ROUNDS * 3 :] == "c" * (12 * PHASE_ROUNDS * 3)
+    moved = hub.run(12, after, _phase(12) * 6)
+    # the rest of a phase sized for 3, the re-trial, and the phase while its rounds come back
+    assert moved.count("t") <= 2 * _phase(12) + _phase(3)
+    assert moved[-_phase(12) * 3 :] == "c" * (_phase(12) * 3)
     assert not hub.chooser.best
 
 

@@ -12,9 +12,12 @@ path has no closed form in the per-position acceptance the gamma rule uses):
   targets' chains would turn into more tokens (the field measured the same at batch > 16).
 
 The hub decides as one, in phases: every session whose target verifies trees drafts the
-phase's shape for about ``PHASE_ROUNDS`` rounds each, a round counts only if it and the
-session's round before were drafted in the running phase, and a phase's figure is its counted
-tokens over their seconds, every session pooled. Why one shape at a time for everyone: both
+phase's shape for about ``PHASE_ROUNDS`` rounds each. A phase's figure is the tokens over the
+seconds of the rounds drafted in it, every session pooled, whenever their verdicts come back
+(the phase is folded once the next one has ended: counting only the rounds that ended within
+their phase kept the short ones, and read 64 sessions' trees on this CPU at 1.8x what they
+made); a round counts only if the session's round before was of the same shape (the target
+may have verified it beside the other shape's rows). Why one shape at a time for everyone: both
 ends pay for a mix twice. A target verifies its sequences in one forward padded to the longest
 row, so a chain verified beside another session's tree costs what the tree does (choosing per
 session made chains look as slow as trees, and one target batching 8 sequences drafted trees
@@ -34,10 +37,10 @@ from dataclasses import dataclass, field
 log = logging.getLogger("starsd.hub")
 
 TREE_MODES = ("auto", "on", "off")
-PHASE_ROUNDS = 4  # rounds per session in one phase
+PHASE_ROUNDS = 4  # rounds per session in flight in one phase
 MIN_PHASE = 8  # rounds in one phase, however few sessions
 _SMOOTHING = 0.5  # weight of the newest phase in a shape's goodput
-_TRIALS = 3  # counted rounds of each shape before the chooser trusts the comparison
+_TRIALS = 3  # counted rounds a phase's figure needs (fewer: the shape is tried again)
 # phases before the losing shape is tried again; each retry that does not win doubles the wait
 # (a tree round costs a CPU target about twice a chain's: frequent retries cost more than the
 # rule saves)
@@ -49,9 +52,9 @@ _HYSTERESIS = 0.15
 # a shape's figure is of another load once a phase's rounds in flight are this many times more
 # (or fewer) than when it was measured: every session's rate moves with the load, so a figure
 # from 8 sessions against one from 64 compares the loads, not the shapes (a hub going from 8 to
-# 64 emulated targets drafted half its rounds as trees that lost to chains). Rounds in flight,
-# not sessions seen: sessions come and go (one of 16 rounds each), and a phase sees more of
-# them than run at once
+# 64 emulated targets drafted half its rounds as trees that lost to chains). Rounds in flight
+# (Little's law), not sessions seen: sessions come and go, and a phase sees more of them than
+# run at once
 _LOAD_CHANGE = 1.5
 # after the load moved, both figures rest on one phase each, one of them taken while the load
 # was still settling (64 sessions opening at once read chains 20% low): switch only on twice
@@ -60,33 +63,48 @@ _RETRIAL_HYSTERESIS = 2 * _HYSTERESIS
 
 
 @dataclass
+class PhaseRecord:
+    """One phase: its shape, and the rounds drafted in it as their verdicts come back."""
+
+    tree: bool
+    began: float
+    concurrency: float = 0.0  # rounds in flight while it ran (set when it ends)
+    tokens: int = 0
+    seconds: float = 0.0
+    counted: int = 0
+    void: bool = False  # a tree phase that filled the hub: never folded
+
+
+@dataclass
 class ShapeChooser:
     """Tree or chain for the rounds of the hub's sessions (see the module docstring)."""
 
     goodput: dict[bool, float] = field(default_factory=dict)  # tokens/s by "is a tree"
-    rounds: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    load: dict[bool, float] = field(default_factory=dict)  # concurrency of each shape's figure
+    tried: dict[bool, bool] = field(default_factory=lambda: {True: False, False: False})
     best: bool = False  # the shape the comparison favours
-    current: bool = False  # the running phase's shape
     phase: int = 0  # the running phase's number (0: none yet)
-    left: int = 0  # decisions left in it
+    phases: dict[int, PhaseRecord] = field(default_factory=dict)  # the running one, the last
+    left: int = 0  # decisions left in the running phase
     phases_since_retry: int = 0
     retry_every: int = _RETRY_EVERY  # doubles while retries lose; back to the start on a switch
     decided: bool = False  # a comparison was made (and logged)
-    tokens: int = 0  # the running phase's counted rounds: tokens, seconds, how many
-    seconds: float = 0.0
-    counted: int = 0
-    began: float = 0.0  # when the running phase began
-    in_flight_s: float = 0.0  # the seconds of every round that ended in it, counted or not
+    in_flight_s: float = 0.0  # the seconds of every round that ended in the running phase
     concurrency: float = 1.0  # rounds in flight in the last phase: in_flight_s over its length
-    load: dict[bool, float] = field(default_factory=dict)  # concurrency of each shape's figure
-    retrial: bool = False  # the running phase measures the other shape anew after a load move
+    awaiting: int | None = None  # a re-trial after a load move: its phase, until folded
+
+    @property
+    def current(self) -> bool:
+        """The running phase's shape (chains before any)."""
+        record = self.phases.get(self.phase)
+        return record.tree if record is not None else False
 
     def use_tree(self, loaded: bool, now: float) -> tuple[bool, int]:
         """This round's shape (True: a tree), asked at ``now``, and the phase it belongs to
         (-1: none, a chain because the hub is fully loaded)."""
         if loaded:
             if self.current and self.phase:  # trees filled the hub
-                self._filled_by_trees()
+                self._filled_by_trees(now)
             return False, -1
         if self.left <= 0:
             self._next_phase(now)
@@ -97,69 +115,86 @@ class ShapeChooser:
         """A round of that shape committed ``tokens`` in ``seconds`` (its whole round);
         ``phases``: the phases its round and the session's round before were drafted in."""
         self.in_flight_s += max(seconds, 0.0)
-        if seconds <= 0 or tree != self.current or phases != (self.phase, self.phase):
-            return  # not in the running phase: other sessions may have drafted the other shape
-        self.tokens += tokens
-        self.seconds += seconds
-        self.counted += 1
+        drafted, before = phases
+        record, prior = self.phases.get(drafted), self.phases.get(before)
+        if seconds <= 0 or record is None or record.tree != tree:
+            return  # drafted outside a phase, or in one folded already
+        if prior is None or prior.tree != tree:
+            return  # the round before was of the other shape, or long ago
+        record.tokens += tokens
+        record.seconds += seconds
+        record.counted += 1
 
-    def _fold(self) -> None:
-        """The phase that ends: its tokens over its seconds, into its shape's figure (a phase
-        pools every session's rounds: one round's rate swings with what the target's other
-        sequences do in its forward); a figure of another load is replaced, not smoothed."""
-        if self.counted:
-            rate, old = self.tokens / self.seconds, self.goodput.get(self.current)
-            if old is not None and not self._stale(self.current):
-                rate = old + _SMOOTHING * (rate - old)
-            self.goodput[self.current] = rate
-            self.rounds[self.current] += self.counted
-            self.load[self.current] = self.concurrency
-        self.tokens, self.seconds, self.counted = 0, 0.0, 0
-
-    def _stale(self, tree: bool) -> bool:
-        """Whether that shape's figure was taken under another load than the last phase's."""
-        then, now = self.load.get(tree), max(self.concurrency, 1.0)
-        return then is not None and max(then, now) > _LOAD_CHANGE * max(min(then, now), 1.0)
+    # ------------------------------------------------------------------ phases
 
     def _next_phase(self, now: float) -> None:
-        if self.phase:
-            if now > self.began and self.in_flight_s > 0:  # Little's law: L = lambda W
-                self.concurrency = self.in_flight_s / (now - self.began)
-            self._fold()
-        self.phase, self.began, self.in_flight_s = self.phase + 1, now, 0.0
+        ending = self.phases.get(self.phase)
+        if ending is not None:
+            if now > ending.began and self.in_flight_s > 0:  # Little's law: L = lambda W
+                self.concurrency = self.in_flight_s / (now - ending.began)
+            ending.concurrency = self.concurrency
+            self._fold(self.phases.pop(self.phase - 1, None))  # its rounds are back by now
+        self.phase, self.in_flight_s = self.phase + 1, 0.0
         # PHASE_ROUNDS rounds per session in flight (at least MIN_PHASE: one session's 3 counted
         # rounds of a 4-round phase misjudged trees by 20%)
         self.left = max(round(PHASE_ROUNDS * self.concurrency), MIN_PHASE)
-        if min(self.rounds.values()) < _TRIALS:  # try each shape first, chains first
-            self.current = self.rounds[False] >= _TRIALS
-            return
-        if len(self.goodput) == 2:  # (no tree figure since trees filled the hub)
-            if self._stale(not self.current):  # the load moved: measure the other anew
-                self.current, self.retrial = not self.current, True
-                return
-            self._compare(_RETRIAL_HYSTERESIS if self.retrial else _HYSTERESIS)
-            self.retrial = False
+        self.phases[self.phase] = PhaseRecord(self._choose(), now)
+
+    def _choose(self) -> bool:
+        """The next phase's shape: each tried first (chains first), then the comparison's, the
+        other measured anew after a load move, and the loser retried now and then."""
+        for shape in (False, True):
+            if not self.tried[shape]:
+                self.tried[shape] = True
+                return shape
+        if self.awaiting in self.phases:  # a re-trial's rounds are still out
+            return self.best
+        margin = _HYSTERESIS if self.awaiting is None else _RETRIAL_HYSTERESIS
+        self.awaiting = None
+        if len(self.goodput) == 2:  # (one figure: trees filled the hub, or few rounds)
+            if self._stale(not self.best):  # the load moved: measure the other anew
+                self.awaiting = self.phase
+                return not self.best
+            self._compare(margin)
         self.phases_since_retry += 1
-        if self.phases_since_retry >= self.retry_every:  # the losing shape once more
+        if self.phases_since_retry >= self.retry_every:  # the loser once more
             self.phases_since_retry = 0
             self.retry_every = min(2 * self.retry_every, _MAX_RETRY_EVERY)
-            self.current = not self.best
-        else:
-            self.current = self.best
+            return not self.best
+        return self.best
 
-    def _filled_by_trees(self) -> None:
+    def _fold(self, record: PhaseRecord | None) -> None:
+        """A phase whose rounds are back: its tokens over its seconds into its shape's figure
+        (a figure of another load is replaced, not smoothed); too few rounds: tried again."""
+        if record is None or record.void:
+            return
+        if record.counted < _TRIALS:
+            if record.tree not in self.goodput:
+                self.tried[record.tree] = False
+            return
+        rate, old = record.tokens / record.seconds, self.goodput.get(record.tree)
+        if old is not None and not self._stale(record.tree, record.concurrency):
+            rate = old + _SMOOTHING * (rate - old)
+        self.goodput[record.tree], self.load[record.tree] = rate, record.concurrency
+
+    def _stale(self, tree: bool, now: float | None = None) -> bool:
+        """Whether that shape's figure was taken under another load than ``now`` (default: the
+        last phase's)."""
+        then, now = self.load.get(tree), max(self.concurrency if now is None else now, 1.0)
+        return then is not None and max(then, now) > _LOAD_CHANGE * max(min(then, now), 1.0)
+
+    def _filled_by_trees(self, now: float) -> None:
         """The hub became fully loaded in a tree phase: trees lose at this load (a full hub
-        drafts chains, whose rounds cost it less), whatever the phase's rounds so far say
-        (they are the ones drafted before the hub filled: with the real draft on this CPU, 64
-        sessions' tree rounds read as fast as their chains while trees made 0.5x the tokens).
-        The phase ends; trees wait for their next retry, and are measured anew then."""
-        self.goodput.pop(True, None)
-        self.rounds[True] = max(self.rounds[True], _TRIALS)
+        drafts chains, whose rounds cost it less), whatever their rounds so far say. The phase
+        ends; trees wait for their next retry, and are measured anew then."""
         if self.best or not self.decided:
             log.info("token trees off: they fill the hub")
-        self.best = self.current = self.retrial = False
-        self.decided, self.left = True, 0
-        self.tokens, self.seconds, self.counted = 0, 0.0, 0
+        self.goodput.pop(True, None)
+        for record in self.phases.values():
+            record.void = record.void or record.tree
+        self.best, self.decided, self.awaiting = False, True, None
+        self._next_phase(now)
+        self.phases[self.phase].tree = False
 
     def _compare(self, margin: float) -> None:
         """Keep the favoured shape unless the other is better by ``margin`` (logged when it
