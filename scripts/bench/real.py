@@ -75,6 +75,8 @@ TREE_SHAPES = {
     "t2x3n6": TreeShape(2, 3, 6),
     "t2x4n8": TreeShape(2, 4, 8),
     "t3x4n12": TreeShape(3, 4, 12),
+    "t4x5n24": TreeShape(4, 5, 24),
+    "t8x4n32": TreeShape(8, 4, 32),  # the protocol's largest tree
 }
 
 
