@@ -532,3 +532,21 @@ def test_a_probes_round_trip_at_a_batching_target_teaches_acceptance_only() -> N
     assert pacing.estimate.rounds == 3 and pacing.round_trip.w > 1.0
     del sibling
     assert not pacing.shared.batched(pacing)
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_fixed_gamma_session_drafts_chains_under_tree_auto(mode: str) -> None:
+    """Catches --tree auto drafting trees for a session whose target fixed its gamma (a shape
+    chosen by timing changed a seeded sampled output from run to run; the chooser's second
+    phase tries trees); --tree on still drafts its trees there (the operator's choice)."""
+    from starsd.hub.drafters.tree_draft import TreeShape
+    from starsd.hub.pacing import TreePlan
+
+    pacer = Pacer(GammaPolicy(), None, trees=TreePlan(mode, TreeShape(2, 4, 8)))
+    state = new_chain_state(list(PROMPT), SamplingParams(), 4)
+    shapes = set()
+    for i in range(200):
+        job = DraftJob(b"s", i, state, 0, (5,), enqueued_at=0.01 * i, proposed=4, tree_nodes=8)
+        pacer.plan(job, None, 0.01 * i)
+        shapes.add(state.tree)
+    assert shapes == ({TreeShape(2, 4, 8)} if mode == "on" else {None})

@@ -135,14 +135,18 @@ class Pacer:
     ) -> tuple[TreeShape | None, int]:
         """This round's token tree (None: a chain) and its phase of the hub's
         :class:`~starsd.hub.shapes.ShapeChooser` (-1: none): never a tree to a target that
-        does not verify them, nor for a pushed branch's round; under auto the chooser's."""
+        does not verify them, nor for a pushed branch's round, nor under auto to a session with
+        a fixed gamma; otherwise under auto the chooser's."""
         plan = self.trees
         if plan is None or job.tree_nodes < 1 or job.taken:
             return None, -1
         shape = dataclasses.replace(plan.shape, nodes=min(plan.shape.nodes, job.tree_nodes))
         if plan.mode == "on":
             return shape, -1
-        if not self.policy.settled(pacing):  # chains until the gamma's figures are in
+        # a session whose target fixed its gamma drafts chains of it (its sampled output is then
+        # reproducible round for round, which a shape chosen by timing would not be); the
+        # others chains until the gamma's figures are in
+        if pacing.fixed is not None or not self.policy.settled(pacing):
             return None, -1
         loaded = load is not None and load.loaded
         tree, phase = self.shapes.use_tree(loaded, now)
