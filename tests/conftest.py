@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -62,20 +63,29 @@ class RunningHub:
         self.endpoint = hub.endpoint
 
 
-@pytest.fixture
-async def running_hub(llama_pair: tuple[Path, Path]) -> AsyncIterator[RunningHub]:
-    config = hub_module.HubConfig(
-        model=str(llama_pair[1]), bind="tcp://127.0.0.1:*", stats_interval=3600
-    )
+@contextlib.asynccontextmanager
+async def serving_hub(config: hub_module.HubConfig) -> AsyncIterator[RunningHub]:
+    """A hub built from ``config`` serving in process until the block ends."""
     hub = hub_module.build_hub(config)
     ctx = transport.new_context()
     task = asyncio.create_task(hub.serve(ctx))
     while not hub.endpoint:
         await asyncio.sleep(0.01)
-    yield RunningHub(hub, task)
-    hub.stop()
-    await asyncio.wait_for(task, 10)
-    ctx.term()
+    try:
+        yield RunningHub(hub, task)
+    finally:
+        hub.stop()
+        await asyncio.wait_for(task, 10)
+        ctx.term()
+
+
+@pytest.fixture
+async def running_hub(llama_pair: tuple[Path, Path]) -> AsyncIterator[RunningHub]:
+    config = hub_module.HubConfig(
+        model=str(llama_pair[1]), bind="tcp://127.0.0.1:*", stats_interval=3600
+    )
+    async with serving_hub(config) as running:
+        yield running
 
 
 class RawTarget:

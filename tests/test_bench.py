@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import RunningHub
+from conftest import RunningHub, serving_hub
 
 from scripts.bench import scale as bench_scale
 from scripts.emulate.acceptance import accepted_count
@@ -216,21 +216,13 @@ async def test_emulated_targets_honour_spans_alone(
     """gamma 0 under a hub that always says alone (--gamma 0): every round is a span decoded
     alone, counted as tokens (not as verified rounds), and the hub drafts nothing."""
     from starsd import hub as hub_module
-    from starsd import transport
 
     config = hub_module.HubConfig(
         model=str(llama_pair[1]), bind="tcp://127.0.0.1:*", stats_interval=3600, gamma=0
     )
-    hub = hub_module.build_hub(config)
-    ctx = transport.new_context()
-    import asyncio
-
-    task = asyncio.create_task(hub.serve(ctx))
-    while not hub.endpoint:
-        await asyncio.sleep(0.01)
-    try:
+    async with serving_hub(config) as running:
         cfg = EmulationConfig(
-            hub=hub.endpoint,
+            hub=running.endpoint,
             targets=2,
             gamma=0,
             verify_ms=2.0,
@@ -242,10 +234,6 @@ async def test_emulated_targets_honour_spans_alone(
             trace_gamma=True,
         )
         report = await emulate(cfg)
-    finally:
-        hub.stop()
-        await asyncio.wait_for(task, 10)
-        ctx.term()
     assert report["rounds"] == 0 and report["alone_spans"] > 0
     assert set(report["gamma_counts"]) == {"0"} and report["mean_gamma"] == 0.0
     assert report["alone_tokens"] == report["tokens_in_window"] > report["alone_spans"]

@@ -3,19 +3,19 @@ target accepts, the model's tree round, and the scale suite's tree comparison.""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import statistics
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import serving_hub
 from scipy import stats as scipy_stats
 
 from scripts.bench import trees as bench_trees
 from scripts.emulate.acceptance import accepted_path
 from scripts.emulate.emulated import EmulationConfig, emulate
-from starsd import analytic, transport, tree
+from starsd import analytic, tree
 from starsd import hub as hub_module
 from starsd.hub.drafters.base import DraftJob, new_chain_state
 from starsd.hub.drafters.emulated import EmulatedProposer, ranked_tree
@@ -58,9 +58,9 @@ def _job(state, accepted: int = 0, path: tuple[int, ...] | None = None) -> Draft
 
 def test_the_emulated_proposer_drafts_trees_and_costs_chain_and_tree_rows_apart() -> None:
     """Catches an emulated drafter that proposes a chain where the pacer chose a tree, commits
-    a tree's verdict as its first ``accepted`` nodes instead of its path, or costs a batch of
-    both shapes as one forward (the real drafters run a batch's chain rows and tree rows
-    apart)."""
+    a tree's verdict as its first ``accepted`` nodes instead of its path (also when the round
+    that verdict asks for is a chain), or costs a batch of both shapes as one forward (the
+    real drafters run a batch's chain rows and tree rows apart)."""
     proposer, shape = EmulatedProposer(CURVE), TreeShape(2, 4, 8)
     states = [new_chain_state([1, 2, 3], SamplingParams(), 4) for _ in range(5)]
     for state in states[2:]:
@@ -76,6 +76,9 @@ def test_the_emulated_proposer_drafts_trees_and_costs_chain_and_tree_rows_apart(
     assert parents[4] == 1  # path (1, 4): the root's second choice, then its first
     proposer.propose([_job(states[2], accepted=2, path=(1, 4))])
     assert states[2].tokens[4:] == [tokens[1], tokens[4], 7] == [1, 0, 7]
+    states[2].tree = None  # the pacer's next round: a chain, after that tree's verdict
+    proposer.propose([_job(states[2], accepted=2, path=(1, 4))])
+    assert states[2].tokens[7:] == [1, 0, 7]  # the path again, not proposed[:2] = [0, 1]
 
 
 def test_the_emulated_acceptance_follows_its_law_and_the_model() -> None:
@@ -164,14 +167,9 @@ async def test_emulated_targets_verify_the_trees_an_emulated_hub_drafts(
         draft_profile=write(tmp_path, "d.json", draft_raw(a_ms=0.5, b_ms=0.2)),
         tree="on",
     )
-    hub = hub_module.build_hub(config)
-    ctx = transport.new_context()
-    task = asyncio.create_task(hub.serve(ctx))
-    while not hub.endpoint:
-        await asyncio.sleep(0.01)
-    try:
+    async with serving_hub(config) as running:
         cfg = EmulationConfig(
-            hub=hub.endpoint,
+            hub=running.endpoint,
             targets=2,
             alpha=0.6,
             verify_ms=2.0,
@@ -182,10 +180,6 @@ async def test_emulated_targets_verify_the_trees_an_emulated_hub_drafts(
             tree_nodes=announced,
         )
         report = await emulate(cfg)
-    finally:
-        hub.stop()
-        await asyncio.wait_for(task, 10)
-        ctx.term()
     assert report["rounds"] > 0 and report["sequence_errors"] == 0
     if announced:
         assert report["tree_fraction"] == 1.0

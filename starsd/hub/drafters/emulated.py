@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from starsd.hub.drafters.base import ChainState, DraftJob, commit_verdict, make_proposal
+from starsd.hub.drafters.base import ChainState, DraftJob, make_proposal
 from starsd.hub.drafters.null import NullProposer
 from starsd.hub.drafters.tree_draft import GrownTree, TreeBatch, TreeShape
 from starsd.plan import service_curve
@@ -78,11 +78,11 @@ class EmulatedProposer(NullProposer):
             seconds += self.curve.tree_at(rows, shape.width, shape.depth)
         return seconds
 
-    def _draft(self, job: DraftJob[ChainState]) -> Proposal | Error:
+    def _proposal(self, job: DraftJob[ChainState]) -> Proposal:
+        """The null chain, or the round's tree (:func:`ranked_tree`)."""
         state = job.state
-        if state.tree is None or not state.params.greedy:
-            return super()._draft(job)
-        commit_verdict(state, job.accepted, job.appended, job.path)
+        if state.tree is None:
+            return super()._proposal(job)
         tokens, parents = ranked_tree(state.tree)
         state.proposed, state.proposed_parents = list(tokens), list(parents)
         proposal = make_proposal(job, state.proposed, [], state.params)

@@ -43,6 +43,11 @@ class NullProposer:
                 tag=job.tag,
                 seq=job.seq,
             )
-        commit_verdict(state, job.accepted, job.appended)
+        commit_verdict(state, job.accepted, job.appended, job.path)
+        return self._proposal(job)
+
+    def _proposal(self, job: DraftJob[ChainState]) -> Proposal:
+        """The last committed token gamma times."""
+        state = job.state
         state.proposed = [state.tokens[-1]] * state.gamma
         return make_proposal(job, state.proposed, [], state.params)
