@@ -95,6 +95,7 @@ class TargetProcess:
         max_new_tokens: int = 24,
     ) -> None:
         self.out = out
+        self.target_dir = target_dir
         self.log_path = out.with_suffix(".log")
         self.cmd = target_cmd(
             endpoint, target_dir, prompts, out, "--max-new-tokens", str(max_new_tokens), *extra

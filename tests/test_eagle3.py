@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from greedy import assert_greedy
 from safetensors.torch import save_file
 from test_eagle_hub import _eagle_rounds, _two_token_law, greedy_alone, law_pvalue
 
@@ -414,7 +415,8 @@ def test_targets_through_an_eagle3_hub_survive_a_killed_peer_and_a_hub_restart(
         rows = t.wait()
         assert [r["prompt"] for r in rows] == prompts[per * i : per * (i + 1)]  # none lost
         for row in rows:
-            assert row["token_ids"] == reference(target_dir, row["prompt"], 160), row["prompt"]
+            expected = reference(target_dir, row["prompt"], 160)
+            assert_greedy(target_dir, row["prompt"], row["token_ids"], expected)
     assert restarted.stop() == 0
 
 

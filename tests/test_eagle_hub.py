@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROMPT
+from greedy import assert_greedy
 from procs import HubProcess, TargetProcess, reference
 from scipy import stats
 from test_eagle import eagle_state, write_head
@@ -277,7 +278,8 @@ def test_three_targets_greedy_through_an_eagle_hub(tmp_path: Path) -> None:
         rows = t.wait()
         assert [r["prompt"] for r in rows] == prompts[2 * i : 2 * i + 2]  # none lost
         for row in rows:
-            assert row["token_ids"] == reference(target_dir, row["prompt"], 32), row["prompt"]
+            expected = reference(target_dir, row["prompt"], 32)
+            assert_greedy(target_dir, row["prompt"], row["token_ids"], expected)
             assert row["stats"]["standalone_steps"] == 0, row
             rounds += row["stats"]["rounds"]
             accepted += row["stats"]["accepted"]

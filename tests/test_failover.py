@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from greedy import assert_greedy
 from procs import HubProcess, TargetProcess, reference, wait_for
 from tiny_models import build_pair
 
@@ -76,7 +77,7 @@ def test_two_hubs_three_targets_one_hub_killed_outputs_exact_and_sessions_move(
     given = [p for _ in targets for p in PROMPTS * 3]
     assert sorted(r["prompt"] for r in rows) == sorted(given)
     for row in rows:
-        assert row["token_ids"] == expected[row["prompt"]], row["prompt"]
+        assert_greedy(pair[0], row["prompt"], row["token_ids"], expected[row["prompt"]])
     moved = [r["stats"] for r in rows if r["stats"]["moves"]]
     assert moved, "no sequence moved: the kill landed after the run"
     # (moves counts a sequence once a proposal from its new hub was verified: the survivor is

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from greedy import assert_greedy
 from procs import ENV, REPO, HubProcess, TargetProcess, reference
 from scipy import stats
 from tiny_models import build_pair
@@ -463,6 +464,6 @@ def test_the_onnxruntime_backend_through_a_hub_at_concurrency_4_equals_generate(
     finally:
         hub.stop()
     for row, prompt in zip(rows, E2E_PROMPTS[:4], strict=True):
-        assert row["token_ids"] == reference(target_dir, prompt, 24), prompt
+        assert_greedy(target_dir, prompt, row["token_ids"], reference(target_dir, prompt, 24))
     assert sum(r["stats"]["rounds"] for r in rows) > 0
     assert _rows_per_forward(spec.text()) > 1.0
