@@ -211,6 +211,23 @@ class RaggedBatch:
         fed = (col >= c_max) & (col < c_max + self._fed[:, None])
         return (cached | fed | (col >= c_max + f_max)).long()
 
+    def tree_mask(self, feed_masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """[B, F, T] bool (True: attend; T the capacity) for a feed where some rows are token
+        trees: every query sees its row's cached keys; over the feed, a tree row's real queries
+        see what its ``feed_masks[row]`` [f_i, f_i] says, the others (chain rows, padding
+        queries) the real fed keys up to their own column. No decode steps follow a tree."""
+        if self.steps:
+            raise ValueError("a feed with token trees takes no decode steps")
+        c_max, f_max = self.cached_width, self.fed_width
+        real = self.key_mask(self.capacity).bool()  # [B, T]
+        allowed = real[:, None, :].repeat(1, f_max, 1)  # [B, F, T]
+        allowed[:, :, c_max:] &= torch.ones(f_max, f_max, dtype=torch.bool).tril()
+        for row, mask in enumerate(feed_masks):
+            if mask is not None:
+                fed = self.fed[row]
+                allowed[row, :fed, c_max : c_max + fed] = mask
+        return allowed
+
     @functools.cached_property
     def _cached(self) -> torch.Tensor:
         return torch.tensor(self.cached)  # [B]

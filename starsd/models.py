@@ -308,9 +308,9 @@ def forward_batch(
         return logits.cpu(), None if features is None else features.cpu()
     if not isinstance(kv, PaddedKeyValues):
         raise ValueError(f"{loaded.name} runs transformers' attention: it needs padded buffers")
-    # Without padding the mask says nothing: leave it out, so attention takes its causal path.
-    mask = None if kv.key_mask is None else kv.key_mask.to(loaded.device)
+    mask = _transformers_mask(kv, input_ids.shape[1], next(loaded.model.parameters()).dtype)
     with torch.inference_mode():
+        mask = None if mask is None else mask.to(loaded.device)
         out = loaded.model(
             input_ids=input_ids.to(loaded.device),
             cache=_buffer_cache(list(kv.buffers)),
@@ -322,6 +322,19 @@ def forward_batch(
     features = _tapped(out.hidden_states, taps) if taps else None
     logits = out.logits if logits_at is None else _pick(out.logits, logits_at)
     return logits.float().cpu(), features
+
+
+def _transformers_mask(kv: PaddedKeyValues, fed: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The attention mask transformers' forward takes for ``kv``: None without padding (its
+    causal path), the key mask [B, T] (it adds the causal part), or, for a token tree's whole
+    mask [B, F, T] bool, that mask as transformers takes a 4D one: as given, additive, over the
+    keys there will be once this forward's ``fed`` columns are appended."""
+    mask = kv.key_mask
+    if mask is None or mask.dim() == 2:
+        return mask
+    keys = kv.buffers[0].filled + fed
+    allowed = mask[:, None, :, :keys]  # [B, 1, F, T]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def _pick(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ from starsd.hub.shapes import MIN_PHASE, PHASE_ROUNDS, ShapeChooser
 from starsd.protocol import Proposal, SamplingParams
 
 PROMPTS = [[5, 17, 33, 8], [3, 4, 9], [21, 22, 23, 24, 25, 26, 27]]
+# a draft LLM in StarSD's own Llama forward, in transformers' Llama, in transformers' GPT-2
+DRAFT_FORWARDS = ["starsd-llama", "transformers-llama", "transformers-gpt2"]
 
 
 # ---------------------------------------------------------------------------------- pure growth
@@ -100,14 +102,19 @@ def _paths(result: Proposal) -> list[list[int]]:
     return [[tokens[n] for n in tree.path_to(parents, node)] for node in range(len(tokens))]
 
 
+@pytest.mark.parametrize(
+    ("family", "lean"), [("llama", True), ("llama", False), ("gpt2", False)], ids=DRAFT_FORWARDS
+)
 def test_a_draft_llm_tree_holds_each_nodes_top_children_given_its_path_alone(
-    llama_pair: tuple[Path, Path],
+    family: str, lean: bool, request: pytest.FixtureRequest
 ) -> None:
     """Catches a draft forward whose tree mask lets a node see its siblings or cousins, wrong
-    tree positions (RoPE), rows of a batch leaking into each other, and a cache left holding
-    tree keys: every expanded node's children are the top tokens of a fresh forward of the
-    prompt + its path alone, for three sessions drafted in one batch, over two rounds."""
-    draft = models.load_causal_lm(llama_pair[1])
+    tree positions (RoPE; GPT-2's learned positions), rows of a batch leaking into each other,
+    and a cache left holding tree keys: every expanded node's children are the top tokens of a
+    fresh forward of the prompt + its path alone, for three sessions drafted in one batch, over
+    two rounds; in StarSD's attention and in transformers' (the tree mask given as 4D)."""
+    pair = request.getfixturevalue(f"{family}_pair")
+    draft = models.load_causal_lm(pair[1], lean=lean)
     proposer = LlmProposer(draft)
     shape = TreeShape(width=2, depth=3, nodes=14)  # 2 + 4 + 4 drawn: nothing pruned
     jobs = _tree_jobs(proposer, shape, SamplingParams())

@@ -253,10 +253,10 @@ async def test_the_budget_is_the_smaller_offer_and_a_welcome_is_clamped(ctx: Any
 async def test_hello_announces_trees_only_for_a_backend_that_verifies_them(
     ctx: Any, llama_pair: tuple[Path, Path], gpt2_pair: tuple[Path, Path]
 ) -> None:
-    """Catches a target announcing trees its backend cannot verify (transformers' attention,
-    the ONNX graph: every tree would fail in the model thread) or not announcing them when it
-    can."""
-    for pair, announced in ((llama_pair, ANNOUNCED), (gpt2_pair, 0)):
+    """Catches a target announcing trees its backend cannot verify (the ONNX graph takes no
+    mask: every tree would fail in the model thread) or not announcing them when it can
+    (StarSD's attention and transformers', a GPT-2 here)."""
+    for pair, announced in ((llama_pair, ANNOUNCED), (gpt2_pair, ANNOUNCED)):
         backend = TorchBackend.load(pair[0])
         assert announced_tree_nodes(backend.info) == announced
         pool = HubPool.for_model(ctx, ("tcp://127.0.0.1:1",), backend.info, 0)
@@ -282,10 +282,11 @@ PATIENT = Fallback(deadline_s=5.0, resync_s=30.0, open_timeout_s=5.0)  # no step
 FAST = Fallback(deadline_s=0.3, resync_s=2.0, open_timeout_s=1.0)
 
 
-@pytest.fixture(scope="module")
-def toy() -> TorchBackend:
-    """The committed toy target (a plain Llama: StarSD's own attention, so trees)."""
-    return TorchBackend.load(models.TOY_TARGET_DIR)
+@pytest.fixture(scope="module", params=["auto", "transformers"])
+def toy(request: pytest.FixtureRequest) -> TorchBackend:
+    """The committed toy target (a plain Llama) in StarSD's own attention over the KV pool, and
+    in transformers' over gathered buffers (the tree's mask 4D)."""
+    return TorchBackend.load(models.TOY_TARGET_DIR, forward=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,8 @@
-"""Token trees on the target: the tree's shape and mask (pure), and one forward over every node
-in StarSD's own attention, against chain forwards of each node's path; then the accepted path
-compacted in the KV pool."""
+"""Token trees on the target: the tree's shape and mask (pure), and one forward over every node,
+in StarSD's own attention and in transformers', against chain forwards of each node's path; then
+the accepted path compacted in the row's cache."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,9 +33,16 @@ def test_the_feed_mask_shows_each_node_its_ancestors_only() -> None:
     assert tree.is_chain(tree.chain(4)) and not tree.is_chain(PARENTS)
 
 
-@pytest.fixture(scope="module")
-def backend(llama_pair: tuple[Path, Path]) -> TorchBackend:
-    return TorchBackend.load(llama_pair[0])
+# The target's two attentions: StarSD's Llama forward over the KV pool, and transformers'
+# forward over gathered buffers (a Llama's RoPE, GPT-2's learned positions), the tree's mask 4D.
+FORWARDS = ["pooled-llama", "transformers-llama", "transformers-gpt2"]
+
+
+@pytest.fixture(scope="module", params=FORWARDS)
+def backend(request: pytest.FixtureRequest) -> TorchBackend:
+    forward, family = request.param.split("-")
+    pair = request.getfixturevalue(f"{family}_pair")
+    return TorchBackend.load(pair[0], forward="auto" if forward == "pooled" else "transformers")
 
 
 def _prefilled(backend: TorchBackend, ids: list[int]) -> SequenceCache:
@@ -82,14 +87,6 @@ def test_the_accepted_path_compacted_in_the_pool_continues_like_a_fresh_prefill(
     (after,) = backend.forward([kept], [[7]])
     (fresh,) = backend.forward([_prefilled(backend, committed)], [[7]])
     torch.testing.assert_close(after.logits, fresh.logits, atol=1e-5, rtol=1e-4)
-
-
-def test_a_backend_without_our_attention_refuses_trees(gpt2_pair: tuple[Path, Path]) -> None:
-    """Catches a transformers-attention target verifying a tree as a chain (its nodes would
-    see their siblings): it refuses, naming why."""
-    gpt2 = TorchBackend.load(gpt2_pair[0])
-    with pytest.raises(ValueError, match="no token trees"):
-        gpt2.forward([SequenceCache()], [[1, 2, 3]], trees=[TreeFeed(1, [-1, -1])])
 
 
 GREEDY = SamplingParams()

@@ -37,8 +37,8 @@ class ModelInfo:
     # L when every hidden state 0..L can be tapped (starsd.llama.tapped: EAGLE-3's layers);
     # 0 when only the last one (-1) can
     layers: int = 0
-    # whether the backend's forward verifies token trees (``forward(trees=)``: StarSD's own
-    # attention); False: chains only, and HELLO announces no trees
+    # whether the backend's forward verifies token trees (``forward(trees=)``: an attention
+    # that takes a mask per row); False: chains only, and HELLO announces no trees
     supports_trees: bool = False
 
 

@@ -10,7 +10,8 @@ Two ways to run a ragged batch:
   rows' caches into one padded batch (:class:`~starsd.batch.RaggedBatch`, the code the hub
   drafts with), run :func:`starsd.models.forward_batch` once, scatter every row's cache back
   out. The feed is padded on the right (batch.py explains why: a padding query that saw no key
-  would turn into NaN and poison the real rows).
+  would turn into NaN and poison the real rows). A token tree's row goes in with the whole
+  mask (:meth:`~starsd.batch.RaggedBatch.tree_mask`), which transformers takes as a 4D mask.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class TorchBackend:
     def __init__(self, loaded: models.LoadedModel) -> None:
         self.loaded = loaded
         # Caches in one pool where the model's attention is ours (starsd.llama): no gather /
-        # scatter copies, and token trees (a mask per row). Elsewhere the padded batch, chains
-        # only.
+        # scatter copies. Elsewhere the padded batch. Token trees on both (a mask per row;
+        # transformers' attention takes it as a 4D mask).
         pooled = loaded.decoder is not None
         self.info = ModelInfo(
             loaded.name,
@@ -47,7 +48,7 @@ class TorchBackend:
             loaded.eos_token_ids,
             loaded.max_positions,
             models.layer_count(loaded),
-            supports_trees=pooled,
+            supports_trees=True,
         )
         self.kv_shapes = models.kv_shapes(loaded)  # (kv heads, head dim) per layer
         self.dtype = next(loaded.model.parameters()).dtype
@@ -93,19 +94,20 @@ class TorchBackend:
         taps: Sequence[int] = (),
         trees: Sequence[TreeFeed | None] | None = None,
     ) -> list[RowOutput]:
-        """One padded forward of every row; see :meth:`VerifierBackend.forward`. Token trees
-        need StarSD's own attention (the pooled path)."""
+        """One padded forward of every row; see :meth:`VerifierBackend.forward`."""
         if self.pool is not None:
             return self._forward_pooled(self.pool, caches, feeds, taps, trees)
-        if trees is not None and any(t is not None for t in trees):
-            raise ValueError(f"{self.info.name} runs transformers' attention: no token trees")
         batch = RaggedBatch(tuple(c.length for c in caches), tuple(len(f) for f in feeds), 0)
         buffers = batch.gather(caches, self.kv_shapes, self.dtype, self.loaded.device)
+        positions, mask = batch.feed_positions(), batch.mask(batch.capacity)
+        if trees is not None and any(t is not None for t in trees):
+            mask = batch.tree_mask([None if t is None else t.mask() for t in trees])
+            _tree_positions(positions, batch.cached, trees)
         logits, hidden = models.forward_batch(
             self.loaded,
             batch.input_ids(feeds),
-            batch.feed_positions(),
-            PaddedKeyValues(buffers, batch.mask(batch.capacity)),
+            positions,
+            PaddedKeyValues(buffers, mask),
             taps,
             fed=batch.fed,
         )  # [B, F, V], [B, F, len(taps) H] or None
@@ -130,9 +132,7 @@ class TorchBackend:
         rows = PooledRows(pool, caches, fed, masks)
         layout = RaggedBatch(rows.start, fed, 0)  # for the padded ids and the positions
         positions = layout.feed_positions()
-        for row, t in enumerate(trees):
-            if t is not None:
-                positions[row, : fed[row]] = rows.start[row] + torch.tensor(t.offsets())
+        _tree_positions(positions, rows.start, trees)
         logits, hidden = models.forward_batch(
             self.loaded, layout.input_ids(feeds), positions, rows, taps, fed=fed
         )
@@ -143,6 +143,16 @@ class TorchBackend:
 
     def close(self) -> None:
         """Nothing to release beyond what the garbage collector frees."""
+
+
+def _tree_positions(
+    positions: torch.Tensor, cached: Sequence[int], trees: Sequence[TreeFeed | None]
+) -> None:
+    """Put each tree row's nodes [B, F] at their depths' positions (after its ``cached``)."""
+    for row, t in enumerate(trees):
+        if t is not None:
+            offsets = t.offsets()
+            positions[row, : len(offsets)] = cached[row] + torch.tensor(offsets)
 
 
 def _rows(hidden: torch.Tensor | None, row: int, fed: int) -> torch.Tensor | None:

@@ -72,8 +72,7 @@ class LlmProposer:
         self.kv_shapes = models.kv_shapes(draft)  # (heads, head_dim) per layer
         self.dtype = next(draft.model.parameters()).dtype
         self.record_alternatives = False  # set by the pre-drafter that reads them
-        # token trees need StarSD's own attention (a tree mask); transformers' drafts draw chains
-        self.trees = draft.decoder is not None
+        self.trees = True  # token trees: a tree mask in StarSD's attention or transformers
 
     def new_state(self, prompt: list[int], params: SamplingParams, gamma: int) -> LlmState:
         """A session's state with an empty cache; the prompt is fed with its first job."""
