@@ -542,7 +542,7 @@ def test_a_fixed_gamma_session_drafts_chains_under_tree_auto(mode: str) -> None:
     from starsd.hub.drafters.tree_draft import TreeShape
     from starsd.hub.pacing import TreePlan
 
-    pacer = Pacer(GammaPolicy(), None, trees=TreePlan(mode, TreeShape(2, 4, 8)))
+    pacer = Pacer(GammaPolicy(), None, trees=TreePlan(mode, (TreeShape(2, 4, 8),)))
     state = new_chain_state(list(PROMPT), SamplingParams(), 4)
     shapes = set()
     for i in range(200):

@@ -24,7 +24,7 @@ from starsd.hub.drafters.eagle import EagleProposer
 from starsd.hub.drafters.llm import LlmProposer
 from starsd.hub.drafters.tree_draft import ROOT, GrownTree, TreeBatch, TreeShape
 from starsd.hub.sessions import path_problem
-from starsd.hub.shapes import MIN_PHASE, PHASE_ROUNDS, ShapeChooser
+from starsd.hub.shapes import MIN_PHASE, PHASE_ROUNDS, ShapeChooser, tree_ladder
 from starsd.protocol import Proposal, SamplingParams
 
 PROMPTS = [[5, 17, 33, 8], [3, 4, 9], [21, 22, 23, 24, 25, 26, 27]]
@@ -215,21 +215,21 @@ class _Rounds:
     """Rounds of a hub's sessions against a :class:`ShapeChooser`, on a clock of their own:
     each round lasts 1 s and the sessions run at once, so rounds end 1 / sessions s apart."""
 
-    def __init__(self) -> None:
-        self.chooser, self.now = ShapeChooser(), 0.0
+    def __init__(self, options: int = 2) -> None:
+        self.chooser, self.now = ShapeChooser(options), 0.0
 
-    def run(self, sessions: int, rate: dict[bool, float], rounds: int) -> str:
-        """``rounds`` rounds, each observed at ``rate`` tokens/s for its shape; the shapes
-        drafted, "t" a tree and "c" a chain."""
+    def run(self, sessions: int, rate: dict[int, float], rounds: int) -> str:
+        """``rounds`` rounds, each observed at ``rate`` tokens/s for its option (True: the
+        first tree); the options drafted, "c" a chain, "t" the first tree, "u" the second."""
         drafted = ""
         for _ in range(rounds):
-            tree_round, phase = self.chooser.use_tree(loaded=False, now=self.now)
-            self.chooser.observe(tree_round, (phase, phase), int(rate[tree_round]), 1.0)
+            option, phase = self.chooser.use_shape(loaded=False, now=self.now)
+            self.chooser.observe(option, (phase, phase), int(rate[option]), 1.0)
             self.now += 1.0 / sessions
-            drafted += "t" if tree_round else "c"
+            drafted += "ctu"[option]
         return drafted
 
-    def phase(self, sessions: int, rate: dict[bool, float]) -> str:
+    def phase(self, sessions: int, rate: dict[int, float]) -> str:
         """One phase's worth of rounds once the chooser knows the load."""
         return self.run(sessions, rate, _phase(sessions))
 
@@ -264,6 +264,34 @@ def test_the_hub_tries_both_shapes_in_phases_then_keeps_the_faster() -> None:
     assert 2 <= shapes[20:].count("t") <= 5  # retries of losing trees: further and further apart
 
 
+def test_the_hub_picks_the_tree_size_that_makes_the_most_tokens_per_second() -> None:
+    """Catches a rule that compares only a chain with one tree (a smaller tree that wins is
+    never drafted), that keeps the first tree beating chains when a smaller one beats it, or
+    whose retries skip a loser (a tree size that starts winning is never found): every option
+    is tried once, the best runs, and each loser is retried in turn."""
+    hub, smaller_wins = _Rounds(3), {0: 20, 1: 25, 2: 32}
+    trials = hub.run(3, smaller_wins, MIN_PHASE + 2 * _phase(3))
+    assert trials == "c" * MIN_PHASE + "t" * _phase(3) + "u" * _phase(3)  # each in turn
+    shapes = [hub.phase(3, smaller_wins)[0] for _ in range(120)]
+    assert hub.chooser.best == 2 and shapes[-1] == "u"
+    assert "c" in shapes[2:] and "t" in shapes[2:]  # both losers retried
+    first_wins = {0: 20, 1: 60, 2: 32}  # the first tree now beats the smaller: found on its retry
+    later = [hub.phase(3, first_wins)[0] for _ in range(200)]
+    assert hub.chooser.best == 1 and later[-20:].count("t") >= 18
+
+
+def test_the_tree_ladder_halves_the_nodes_one_depth_shallower() -> None:
+    """Catches a ladder of one shape (nothing to choose from), trees the hub cannot draft
+    (a depth under 2, no more nodes than one depth's width) or more sizes than the rule tries."""
+    assert tree_ladder(TreeShape(2, 4, 8)) == (TreeShape(2, 4, 8), TreeShape(2, 3, 4))
+    assert tree_ladder(TreeShape(4, 6, 32)) == (
+        TreeShape(4, 6, 32),
+        TreeShape(4, 5, 16),
+        TreeShape(4, 4, 8),
+    )
+    assert tree_ladder(TreeShape(3, 2, 4)) == (TreeShape(3, 2, 4),)
+
+
 def test_a_re_trial_switches_only_by_a_wide_margin_then_compares_as_usual() -> None:
     """Catches switching on the one phase each shape has had since the load moved by the
     ordinary margin (a phase at the new load can still be settling: 64 sessions opening at
@@ -285,21 +313,21 @@ def test_a_round_counts_when_the_sessions_round_before_was_of_its_shape() -> Non
     come back after it ended (the long rounds: trees read 1.8x what they made)."""
     chooser = ShapeChooser()
     for i in range(MIN_PHASE):  # the chain trial, every round counted
-        tree_round, phase = chooser.use_tree(loaded=False, now=float(i))
+        tree_round, phase = chooser.use_shape(loaded=False, now=float(i))
         chooser.observe(tree_round, (phase, phase), 10, 1.0)
-    assert chooser.use_tree(loaded=False, now=8.0) == (True, 2)  # the tree trial
+    assert chooser.use_shape(loaded=False, now=8.0) == (True, 2)  # the tree trial
     chooser.observe(True, (2, 1), 1000, 1.0)  # its round before: a chain
     assert chooser.phases[2].counted == 0
     for _ in range(3):
         chooser.observe(True, (2, 2), 30, 1.0)
     for i in range(MIN_PHASE):  # phase 3 (chains: trees' rounds are still out)
-        chooser.use_tree(loaded=False, now=9.0 + i)
+        chooser.use_shape(loaded=False, now=9.0 + i)
     chooser.observe(True, (2, 2), 30, 3.0)  # a long tree round, back after its phase ended
     for i in range(MIN_PHASE):
-        chooser.use_tree(loaded=False, now=20.0 + i)
+        chooser.use_shape(loaded=False, now=20.0 + i)
     assert chooser.current and chooser.goodput[True] == pytest.approx(120 / 6)
     while chooser.phase < 5:  # trees again
-        chooser.use_tree(loaded=False, now=30.0)
+        chooser.use_shape(loaded=False, now=30.0)
     chooser.observe(True, (5, 4), 30, 1.0)  # its round before: a tree, one phase back
     assert chooser.phases[5].counted == 1
 
@@ -312,7 +340,7 @@ def test_trees_that_fill_the_hub_give_way_to_chains_until_their_retry() -> None:
     hub.run(3, faster_trees, MIN_PHASE + 3 * _phase(3))
     chooser = hub.chooser
     assert chooser.best and chooser.current
-    assert chooser.use_tree(loaded=True, now=hub.now) == (False, -1)
+    assert chooser.use_shape(loaded=True, now=hub.now) == (False, -1)
     assert not chooser.best and True not in chooser.goodput
     after = hub.run(3, faster_trees, _phase(3) * 20)
     assert after[: _phase(3) * 10] == "c" * _phase(3) * 10  # chains, phase after phase

@@ -164,10 +164,10 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
         "--tree",
         default=HubConfig.tree,
         choices=TREE_MODES,
-        help="token trees, for targets that verify them: auto (default) picks tree or chain "
+        help="token trees, for targets that verify them: auto (default) picks a chain or a "
+        "tree size (the shape below, then half its nodes one depth shallower, at most three) "
         "for every session at once by the tokens per second measured in each (chains when the "
-        "hub is fully loaded); on: always trees; off: chains only (draft-kind llm with "
-        "StarSD's forward, eagle, eagle3, emulated)",
+        "hub is fully loaded); on: always trees of the shape below; off: chains only",
     )
     p.add_argument(
         "--tree-width",
@@ -180,7 +180,8 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
         "--tree-nodes",
         type=int,
         default=HubConfig.tree_nodes,
-        help="the most nodes of a tree (the best by the draft's path probability)",
+        help="the most nodes of a tree (the best by the draft's path probability); the "
+        "largest tree --tree auto tries",
     )
 
 

@@ -44,9 +44,9 @@ class HubConfig:
     # pre-draft only while at most this many proposals are out: with more, the idle gaps are
     # short, few branches hit and a pre-draft step delays the real jobs that arrive meanwhile
     predraft_max_in_flight: int = 2
-    # token trees (targets that verify them): auto: the policy picks tree or chain (for every
-    # session at once, in phases: starsd/hub/shapes.py);
-    # on: always trees; off: chains only. Each tree expands tree_width nodes per depth with
+    # token trees (targets that verify them): auto: the policy picks a chain or a tree size
+    # (for every session at once, in phases: starsd/hub/shapes.py); on: always trees of the
+    # largest size; off: chains only. The largest tree expands tree_width nodes per depth with
     # tree_width children each, down to tree_depth, at most tree_nodes nodes
     tree: str = "auto"
     tree_width: int = 2

@@ -44,7 +44,7 @@ from starsd.hub.policy import (
     Pending,
     SessionPacing,
 )
-from starsd.hub.shapes import ShapeChooser
+from starsd.hub.shapes import CHAIN, ShapeChooser
 
 log = logging.getLogger("starsd.hub")
 
@@ -55,10 +55,11 @@ _HUB_ALONE_SMOOTHING = 0.1  # the hub's T_alone, over every session's spans
 
 @dataclass(frozen=True)
 class TreePlan:
-    """``--tree`` auto or on, with the tree shape it drafts (node budget capped per target)."""
+    """``--tree`` auto or on, with the tree shapes it drafts (node budgets capped per target):
+    under on the first (the configured one), under auto the rule's pick of them."""
 
     mode: str  # "auto" (the rule of starsd.hub.shapes) or "on" (always, where verified)
-    shape: TreeShape
+    shapes: tuple[TreeShape, ...]  # starsd.hub.shapes.tree_ladder, the largest first
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ class Pacer:
         self.meter = LoadMeter(policy.params.loaded_busy)
         self.owners = OwnerMemory()  # each target's shared pacing (its auto sessions')
         self.common = CommonGamma(policy.params.max_gamma)  # what the auto sessions draft
-        self.shapes = ShapeChooser()  # --tree auto: tree or chain, for every session at once
+        # --tree auto: a chain or one of the plan's trees, for every session at once
+        self.shapes = ShapeChooser(1 + (len(trees.shapes) if trees is not None else 0))
         self.alone_s: float | None = None  # T_alone over the hub's sessions (smoothed)
 
     # ------------------------------------------------------------------ the engine's calls
@@ -125,32 +127,37 @@ class Pacer:
                 pacing.pending = _pending(job)
             return Plan(0, span, held=True)
         job.state.gamma = max(gamma, 1)
-        job.state.tree, phase = self._shape(job, pacing, load, now)
-        pacing.tree_round, pacing.asked_at = job.state.tree is not None, job.enqueued_at
+        option, phase = self._shape(job, pacing, load, now)
+        job.state.tree = self._tree(option, job.tree_nodes)
+        pacing.shape, pacing.asked_at = option, job.enqueued_at
         pacing.shape_phases = (phase, pacing.shape_phases[0])
         return Plan(job.state.gamma, held=held)
 
     def _shape(
         self, job: DraftJob, pacing: SessionPacing, load: Load | None, now: float
-    ) -> tuple[TreeShape | None, int]:
-        """This round's token tree (None: a chain) and its phase of the hub's
-        :class:`~starsd.hub.shapes.ShapeChooser` (-1: none): never a tree to a target that
-        does not verify them, nor for a pushed branch's round, nor under auto to a session with
-        a fixed gamma; otherwise under auto the chooser's."""
+    ) -> tuple[int, int]:
+        """This round's option (CHAIN, or the plan's k-th tree shape) and its phase of the
+        hub's :class:`~starsd.hub.shapes.ShapeChooser` (-1: none): never a tree to a target
+        that does not verify them, nor for a pushed branch's round, nor under auto to a session
+        with a fixed gamma; under on the largest tree; otherwise the chooser's."""
         plan = self.trees
         if plan is None or job.tree_nodes < 1 or job.taken:
-            return None, -1
-        shape = dataclasses.replace(plan.shape, nodes=min(plan.shape.nodes, job.tree_nodes))
+            return CHAIN, -1
         if plan.mode == "on":
-            return shape, -1
+            return 1, -1
         # a session whose target fixed its gamma drafts chains of it (its sampled output is then
         # reproducible round for round, which a shape chosen by timing would not be); the
         # others chains until the gamma's figures are in
         if pacing.fixed is not None or not self.policy.settled(pacing):
-            return None, -1
-        loaded = load is not None and load.loaded
-        tree, phase = self.shapes.use_tree(loaded, now)
-        return (shape if tree else None), phase
+            return CHAIN, -1
+        return self.shapes.use_shape(load is not None and load.loaded, now)
+
+    def _tree(self, option: int, nodes: int) -> TreeShape | None:
+        """Option ``option``'s tree, its nodes capped at the target's ``nodes``; None: a chain."""
+        if option == CHAIN or self.trees is None:
+            return None
+        shape = self.trees.shapes[option - 1]
+        return dataclasses.replace(shape, nodes=min(shape.nodes, nodes))
 
     def with_held(self, job: DraftJob) -> DraftJob:
         """``job`` with the verdict held since a span alone in its place (that verdict, then
@@ -216,8 +223,8 @@ class Pacer:
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.
         if job.proposed >= 1 and len(job.appended) == 1 and pacing.asked_at is not None:
             seconds = job.enqueued_at - pacing.asked_at  # the whole round, asked to answered
-            self.shapes.observe(pacing.tree_round, pacing.shape_phases, job.accepted + 1, seconds)
-        if pacing.tree_round:  # a tree's path is no chain's acceptance per position
+            self.shapes.observe(pacing.shape, pacing.shape_phases, job.accepted + 1, seconds)
+        if pacing.shape != CHAIN:  # a tree's path is no chain's acceptance per position
             return
         if pacing.fixed is None and job.proposed >= 1 and len(job.appended) == 1:
             pacing.estimate.observe(job.proposed, min(job.accepted, job.proposed))

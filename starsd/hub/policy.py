@@ -236,7 +236,7 @@ class SessionPacing:
     chosen: int = 0  # the last gamma chosen
     probing: bool = False  # the proposal in flight is the probe after a span alone
     explored: bool = False  # it decoded alone to time its target's T_alone
-    tree_round: bool = False  # the proposal in flight is a token tree
+    shape: int = 0  # the proposal in flight: 0 a chain, k the hub's k-th tree shape (shapes.py)
     # the ShapeChooser phases of the proposal in flight and of the one before (-1: none)
     shape_phases: tuple[int, int] = (-1, -1)
     asked_at: float | None = None  # when the job that asked for it was queued

@@ -39,6 +39,7 @@ from starsd.hub.pacing import Pacer, TreePlan
 from starsd.hub.policy import GammaPolicy, PolicyParams
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import Limits, Peer, Refused, Session, SessionTable
+from starsd.hub.shapes import tree_ladder
 from starsd.logsafe import Throttle, printable
 from starsd.protocol import (
     Close,
@@ -98,9 +99,8 @@ def pacer_for(config: HubConfig, proposer: Proposer) -> Pacer:
     params = PolicyParams(max_gamma=config.max_gamma, start_gamma=max(config.default_gamma, 1))
     trees = None
     if proposer.trees and config.tree_budget:
-        trees = TreePlan(
-            config.tree, TreeShape(config.tree_width, config.tree_depth, config.tree_budget)
-        )
+        largest = TreeShape(config.tree_width, config.tree_depth, config.tree_budget)
+        trees = TreePlan(config.tree, tree_ladder(largest))
     return Pacer(GammaPolicy(params), proposer.max_positions, trees=trees)
 
 

@@ -1,7 +1,9 @@
-"""``--tree``: whether a session's round drafts a token tree or a chain.
+"""``--tree``: whether a session's round drafts a chain or a token tree, and which tree.
 
-The rule is the goodput rule that picks gamma, measured instead of modelled (a tree's accepted
-path has no closed form in the per-position acceptance the gamma rule uses):
+The options are a chain and the hub's tree shapes (:func:`tree_ladder`: the configured shape and
+smaller ones, each half the nodes and one depth less). The rule is the goodput rule that picks
+gamma, measured instead of modelled (a tree's accepted path has no closed form in the
+per-position acceptance the gamma rule uses):
 
 * under-loaded, a session's own tokens per second: each shape's committed tokens per round
   (accepted + 1) over its whole round's seconds, from the job that asked for it to the verdict
@@ -24,9 +26,9 @@ session made chains look as slow as trees, and one target batching 8 sequences d
 it could not afford, 0.84x its batch alone); and the hub drafts a batch's chain rows and tree
 rows in separate forwards, so a batch holding both pays both (choosing per target, 8 targets
 under an H100 profile split between the shapes and made 0.77x the throughput of chains alone).
-The first phases try each shape; then the better one runs (with hysteresis) and the other is
-tried again now and then, since which wins moves with the load, less and less often while it
-keeps losing. Owned by the drafting thread.
+The first phases try each option; then the best runs (with hysteresis) and the others are
+tried again now and then, in turn, since which wins moves with the load, less and less often
+while they keep losing. Owned by the drafting thread.
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from starsd.hub.drafters.tree_draft import TreeShape
+
 log = logging.getLogger("starsd.hub")
 
 TREE_MODES = ("auto", "on", "off")
+CHAIN = 0  # option 0: a chain; option k >= 1: the hub's k-th tree shape (tree_ladder)
+MAX_TREE_SHAPES = 3  # tree sizes the rule compares (each costs trial phases)
 PHASE_ROUNDS = 4  # rounds per session in flight in one phase
 MIN_PHASE = 8  # rounds in one phase, however few sessions
 _SMOOTHING = 0.5  # weight of the newest phase in a shape's goodput
@@ -62,11 +68,25 @@ _LOAD_CHANGE = 1.5
 _RETRIAL_HYSTERESIS = 2 * _HYSTERESIS
 
 
+def tree_ladder(largest: TreeShape) -> tuple[TreeShape, ...]:
+    """The tree shapes the rule compares: ``largest`` (the configured one), then each next half
+    its nodes one depth shallower (a shallower tree costs the hub fewer expansion forwards and
+    the target fewer rows), while it still holds a node more than one depth's width."""
+    shapes = [largest]
+    while len(shapes) < MAX_TREE_SHAPES:
+        last = shapes[-1]
+        smaller = TreeShape(last.width, max(last.depth - 1, 2), last.nodes // 2)
+        if smaller.nodes <= smaller.width or smaller == last:
+            break
+        shapes.append(smaller)
+    return tuple(shapes)
+
+
 @dataclass
 class PhaseRecord:
-    """One phase: its shape, and the rounds drafted in it as their verdicts come back."""
+    """One phase: its option, and the rounds drafted in it as their verdicts come back."""
 
-    tree: bool
+    option: int  # CHAIN, or a tree shape's number
     began: float
     concurrency: float = 0.0  # rounds in flight while it ran (set when it ends)
     tokens: int = 0
@@ -77,12 +97,15 @@ class PhaseRecord:
 
 @dataclass
 class ShapeChooser:
-    """Tree or chain for the rounds of the hub's sessions (see the module docstring)."""
+    """A chain or one of ``options - 1`` tree shapes for the rounds of the hub's sessions (see
+    the module docstring)."""
 
-    goodput: dict[bool, float] = field(default_factory=dict)  # tokens/s by "is a tree"
-    load: dict[bool, float] = field(default_factory=dict)  # concurrency of each shape's figure
-    tried: dict[bool, bool] = field(default_factory=lambda: {True: False, False: False})
-    best: bool = False  # the shape the comparison favours
+    options: int = 2  # a chain and the tree shapes
+    goodput: dict[int, float] = field(default_factory=dict)  # tokens/s by option
+    load: dict[int, float] = field(default_factory=dict)  # concurrency of each option's figure
+    tried: set[int] = field(default_factory=set)
+    best: int = CHAIN  # the option the comparison favours
+    retried: int = CHAIN  # the option retried last (the losers take turns)
     phase: int = 0  # the running phase's number (0: none yet)
     phases: dict[int, PhaseRecord] = field(default_factory=dict)  # the running one, the last
     left: int = 0  # decisions left in the running phase
@@ -94,33 +117,33 @@ class ShapeChooser:
     awaiting: int | None = None  # a re-trial after a load move: its phase, until folded
 
     @property
-    def current(self) -> bool:
-        """The running phase's shape (chains before any)."""
+    def current(self) -> int:
+        """The running phase's option (chains before any)."""
         record = self.phases.get(self.phase)
-        return record.tree if record is not None else False
+        return record.option if record is not None else CHAIN
 
-    def use_tree(self, loaded: bool, now: float) -> tuple[bool, int]:
-        """This round's shape (True: a tree), asked at ``now``, and the phase it belongs to
-        (-1: none, a chain because the hub is fully loaded)."""
+    def use_shape(self, loaded: bool, now: float) -> tuple[int, int]:
+        """This round's option (CHAIN, or a tree shape's number), asked at ``now``, and the
+        phase it belongs to (-1: none, a chain because the hub is fully loaded)."""
         if loaded:
             if self.current and self.phase:  # trees filled the hub
                 self._filled_by_trees(now)
-            return False, -1
+            return CHAIN, -1
         if self.left <= 0:
             self._next_phase(now)
         self.left -= 1
         return self.current, self.phase
 
-    def observe(self, tree: bool, phases: tuple[int, int], tokens: int, seconds: float) -> None:
-        """A round of that shape committed ``tokens`` in ``seconds`` (its whole round);
+    def observe(self, option: int, phases: tuple[int, int], tokens: int, seconds: float) -> None:
+        """A round of that option committed ``tokens`` in ``seconds`` (its whole round);
         ``phases``: the phases its round and the session's round before were drafted in."""
         self.in_flight_s += max(seconds, 0.0)
         drafted, before = phases
         record, prior = self.phases.get(drafted), self.phases.get(before)
-        if seconds <= 0 or record is None or record.tree != tree:
+        if seconds <= 0 or record is None or record.option != option:
             return  # drafted outside a phase, or in one folded already
-        if prior is None or prior.tree != tree:
-            return  # the round before was of the other shape, or long ago
+        if prior is None or prior.option != option:
+            return  # the round before was of another option, or long ago
         record.tokens += tokens
         record.seconds += seconds
         record.counted += 1
@@ -140,47 +163,58 @@ class ShapeChooser:
         self.left = max(round(PHASE_ROUNDS * self.concurrency), MIN_PHASE)
         self.phases[self.phase] = PhaseRecord(self._choose(), now)
 
-    def _choose(self) -> bool:
-        """The next phase's shape: each tried first (chains first), then the comparison's, the
-        other measured anew after a load move, and the loser retried now and then."""
-        for shape in (False, True):
-            if not self.tried[shape]:
-                self.tried[shape] = True
-                return shape
+    def _choose(self) -> int:
+        """The next phase's option: each tried first (chains first), then the comparison's,
+        the others measured anew after a load move, and the losers retried now and then."""
+        for option in range(self.options):
+            if option not in self.tried:
+                self.tried.add(option)
+                return option
         if self.awaiting in self.phases:  # a re-trial's rounds are still out
             return self.best
         margin = _HYSTERESIS if self.awaiting is None else _RETRIAL_HYSTERESIS
         self.awaiting = None
-        if len(self.goodput) == 2:  # (one figure: trees filled the hub, or few rounds)
-            if self._stale(not self.best):  # the load moved: measure the other anew
+        if len(self.goodput) > 1 and self.best in self.goodput:  # (trees filled the hub, ...)
+            stale = [o for o in self.goodput if o != self.best and self._stale(o)]
+            if stale:  # the load moved: measure another anew
                 self.awaiting = self.phase
-                return not self.best
+                return stale[0]
             self._compare(margin)
         self.phases_since_retry += 1
-        if self.phases_since_retry >= self.retry_every:  # the loser once more
+        if self.phases_since_retry >= self.retry_every:  # a loser once more, each in turn
             self.phases_since_retry = 0
             self.retry_every = min(2 * self.retry_every, _MAX_RETRY_EVERY)
-            return not self.best
+            return self._next_loser()
         return self.best
+
+    def _next_loser(self) -> int:
+        """The option after the last retried one, skipping the best."""
+        option = self.retried
+        while True:
+            option = (option + 1) % self.options
+            if option != self.best:
+                self.retried = option
+                return option
 
     def _fold(self, record: PhaseRecord | None) -> None:
         """A phase whose rounds are back: its tokens over its seconds into its shape's figure
         (a figure of another load is replaced, not smoothed); too few rounds: tried again."""
         if record is None or record.void:
             return
+        option = record.option
         if record.counted < _TRIALS:
-            if record.tree not in self.goodput:
-                self.tried[record.tree] = False
+            if option not in self.goodput:
+                self.tried.discard(option)
             return
-        rate, old = record.tokens / record.seconds, self.goodput.get(record.tree)
-        if old is not None and not self._stale(record.tree, record.concurrency):
+        rate, old = record.tokens / record.seconds, self.goodput.get(option)
+        if old is not None and not self._stale(option, record.concurrency):
             rate = old + _SMOOTHING * (rate - old)
-        self.goodput[record.tree], self.load[record.tree] = rate, record.concurrency
+        self.goodput[option], self.load[option] = rate, record.concurrency
 
-    def _stale(self, tree: bool, now: float | None = None) -> bool:
-        """Whether that shape's figure was taken under another load than ``now`` (default: the
-        last phase's)."""
-        then, now = self.load.get(tree), max(self.concurrency if now is None else now, 1.0)
+    def _stale(self, option: int, now: float | None = None) -> bool:
+        """Whether that option's figure was taken under another load than ``now`` (default:
+        the last phase's)."""
+        then, now = self.load.get(option), max(self.concurrency if now is None else now, 1.0)
         return then is not None and max(then, now) > _LOAD_CHANGE * max(min(then, now), 1.0)
 
     def _filled_by_trees(self, now: float) -> None:
@@ -189,29 +223,26 @@ class ShapeChooser:
         ends; trees wait for their next retry, and are measured anew then."""
         if self.best or not self.decided:
             log.info("token trees off: they fill the hub")
-        self.goodput.pop(True, None)
+        self.goodput = {o: rate for o, rate in self.goodput.items() if o == CHAIN}
         for record in self.phases.values():
-            record.void = record.void or record.tree
-        self.best, self.decided, self.awaiting = False, True, None
+            record.void = record.void or record.option != CHAIN
+        self.best, self.decided, self.awaiting = CHAIN, True, None
         self._next_phase(now)
-        self.phases[self.phase].tree = False
+        self.phases[self.phase].option = CHAIN
 
     def _compare(self, margin: float) -> None:
-        """Keep the favoured shape unless the other is better by ``margin`` (logged when it
+        """Keep the favoured option unless another is better by ``margin`` (logged when it
         turns)."""
-        tree, chain = self.goodput[True], self.goodput[False]
-        was = self.best
-        if was:
-            self.best = not chain > tree * (1 + margin)
-        else:
-            self.best = tree > chain * (1 + margin)
-        if self.best != was:
+        was, rates = self.best, self.goodput
+        challenger = max((o for o in rates if o != was), key=rates.__getitem__)
+        if rates[challenger] > rates[was] * (1 + margin):
+            self.best = challenger
             self.retry_every, self.phases_since_retry = _RETRY_EVERY, 0
         if self.best != was or not self.decided:
             self.decided = True
-            log.info(
-                "token trees %s: %.1f tokens/s a session with trees, %.1f with chains",
-                "on" if self.best else "off",
-                tree,
-                chain,
-            )
+            figures = ", ".join(f"{_name(o)} {rate:.1f}" for o, rate in sorted(rates.items()))
+            log.info("round shape %s (tokens/s a session: %s)", _name(self.best), figures)
+
+
+def _name(option: int) -> str:
+    return "chain" if option == CHAIN else f"tree {option}"
