@@ -62,9 +62,10 @@ _HYSTERESIS = 0.15
 # (Little's law), not sessions seen: sessions come and go, and a phase sees more of them than
 # run at once
 _LOAD_CHANGE = 1.5
-# after the load moved, both figures rest on one phase each, one of them taken while the load
-# was still settling (64 sessions opening at once read chains 20% low): switch only on twice
-# the margin
+# after the load moved, a re-trial is compared with the favoured option measured in a phase
+# after it (the phase the load moved in can read far off: 64 sessions opening at once read
+# chains at 35 tokens/s a session, 54 a phase later), and both figures rest on one phase each:
+# switch only on twice the margin (but see ShapeChooser._retrial_margin)
 _RETRIAL_HYSTERESIS = 2 * _HYSTERESIS
 
 
@@ -115,6 +116,8 @@ class ShapeChooser:
     in_flight_s: float = 0.0  # the seconds of every round that ended in the running phase
     concurrency: float = 1.0  # rounds in flight in the last phase: in_flight_s over its length
     awaiting: int | None = None  # a re-trial after a load move: its phase, until folded
+    retrial: tuple[int, float] = (CHAIN, 0.0)  # the last re-trial's option, its stale load
+    taken: dict[int, int] = field(default_factory=dict)  # the phase of each option's figure
 
     @property
     def current(self) -> int:
@@ -156,7 +159,7 @@ class ShapeChooser:
             if now > ending.began and self.in_flight_s > 0:  # Little's law: L = lambda W
                 self.concurrency = self.in_flight_s / (now - ending.began)
             ending.concurrency = self.concurrency
-            self._fold(self.phases.pop(self.phase - 1, None))  # its rounds are back by now
+            self._fold(self.phase - 1)  # its rounds are back by now
         self.phase, self.in_flight_s = self.phase + 1, 0.0
         # PHASE_ROUNDS rounds per session in flight (at least MIN_PHASE: one session's 3 counted
         # rounds of a 4-round phase misjudged trees by 20%)
@@ -170,14 +173,14 @@ class ShapeChooser:
             if option not in self.tried:
                 self.tried.add(option)
                 return option
-        if self.awaiting in self.phases:  # a re-trial's rounds are still out
-            return self.best
-        margin = _HYSTERESIS if self.awaiting is None else _RETRIAL_HYSTERESIS
+        if self.awaiting is not None and self.taken.get(self.best, 0) <= self.awaiting:
+            return self.best  # a re-trial's rounds, or the favoured one's after it, still out
+        margin = _HYSTERESIS if self.awaiting is None else self._retrial_margin()
         self.awaiting = None
         if len(self.goodput) > 1 and self.best in self.goodput:  # (trees filled the hub, ...)
             stale = [o for o in self.goodput if o != self.best and self._stale(o)]
             if stale:  # the load moved: measure another anew
-                self.awaiting = self.phase
+                self.awaiting, self.retrial = self.phase, (stale[0], self.load[stale[0]])
                 return stale[0]
             self._compare(margin)
         self.phases_since_retry += 1
@@ -186,6 +189,21 @@ class ShapeChooser:
             self.retry_every = min(2 * self.retry_every, _MAX_RETRY_EVERY)
             return self._next_loser()
         return self.best
+
+    def _retrial_margin(self) -> float:
+        """The margin a re-trial after a load move switches on: twice the usual (a phase at
+        the new load may still be settling), but the usual when the load rose and the option
+        re-measured costs less than the favoured one. More load favours the cheaper shape (a
+        tree's rows cost more at every batch), and a hub that kept the tree it chose at 8
+        emulated targets while 64 ran drafted 83% of a run's rounds as trees, 0.90x chains."""
+        option, then = self.retrial
+        rose = self.load.get(option, then) > then
+        cheaper = self._cost_rank(option) < self._cost_rank(self.best)
+        return _HYSTERESIS if rose and cheaper else _RETRIAL_HYSTERESIS
+
+    def _cost_rank(self, option: int) -> int:
+        """0 for a chain, then the trees from the smallest (the ladder's last) to the largest."""
+        return 0 if option == CHAIN else self.options - option
 
     def _next_loser(self) -> int:
         """The option after the last retried one, skipping the best."""
@@ -196,9 +214,11 @@ class ShapeChooser:
                 self.retried = option
                 return option
 
-    def _fold(self, record: PhaseRecord | None) -> None:
-        """A phase whose rounds are back: its tokens over its seconds into its shape's figure
-        (a figure of another load is replaced, not smoothed); too few rounds: tried again."""
+    def _fold(self, number: int) -> None:
+        """Phase ``number``, whose rounds are back: its tokens over its seconds into its
+        option's figure (a figure of another load is replaced, not smoothed); too few rounds:
+        tried again."""
+        record = self.phases.pop(number, None)
         if record is None or record.void:
             return
         option = record.option
@@ -210,6 +230,7 @@ class ShapeChooser:
         if old is not None and not self._stale(option, record.concurrency):
             rate = old + _SMOOTHING * (rate - old)
         self.goodput[option], self.load[option] = rate, record.concurrency
+        self.taken[option] = number
 
     def _stale(self, option: int, now: float | None = None) -> bool:
         """Whether that option's figure was taken under another load than ``now`` (default:
