@@ -7,7 +7,7 @@ not allow) is logged and left out; the others serve. A hub that cannot be reache
 the pool: its client keeps saying HELLO and the hub gets sessions once it answers.
 
 Placement: a new session goes to the live hub with the most spare capacity, estimated from the
-load each hub reports in WELCOME and in every PONG (:class:`edge.client.HubLoad`): with
+load each hub reports in WELCOME and in every PONG (:class:`edge.handshake.HubLoad`): with
 ``busy`` the drafting thread's recent busy fraction and ``sessions`` its open sessions, one
 session costs about ``busy / sessions`` of the hub, so the hub has room for
 ``(1 - busy) / cost`` more, less the jobs already waiting in its queue and the sessions this
@@ -32,7 +32,8 @@ import re
 import zmq.asyncio
 
 from edge.backends.base import ModelInfo
-from edge.client import HubClient, HubError, HubUnavailable, TargetInfo
+from edge.client import HubClient
+from edge.handshake import HubError, HubUnavailable, TargetInfo
 from edge.verifier import announced_tree_nodes
 from starsd import curve_client, protocol
 

@@ -45,8 +45,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edge import openai_api as api
 from edge.backends.base import VerifierBackend
-from edge.client import HubError, HubUnavailable
 from edge.generation import Delta, Generation, Job, NewSequence, RequestQueue, ServeConfig
+from edge.handshake import HubError, HubUnavailable
 from edge.hubs import HubPool
 from edge.metrics import TargetMetrics
 from edge.openai_api import ApiError

@@ -44,7 +44,8 @@ import torch
 
 from edge import verifier
 from edge.batcher import Batcher
-from edge.client import HubClient, HubError, HubUnavailable, push_for
+from edge.client import HubClient
+from edge.handshake import HubError, HubUnavailable, push_for
 from edge.hubs import HubPool
 from edge.verifier import TargetSequence
 from starsd import limits, protocol, sampling, tree

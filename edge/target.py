@@ -35,8 +35,8 @@ import zmq.asyncio
 from edge.backends import BackendUnavailable, load_backend
 from edge.backends.base import VerifierBackend
 from edge.batcher import Batcher, BatchStats
-from edge.client import HubError, HubUnavailable
 from edge.engine import Engine
+from edge.handshake import HubError, HubUnavailable
 from edge.hubs import HubPool
 from edge.requests import Request, Result, load_requests, render_chats, write_results
 from edge.target_config import PROG, TargetConfig, parse_args

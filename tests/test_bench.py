@@ -10,7 +10,8 @@ from conftest import RunningHub, serving_hub
 
 from scripts.bench import scale as bench_scale
 from scripts.emulate.acceptance import accepted_count
-from scripts.emulate.emulated import EmulationConfig, Phases, emulate, schedule
+from scripts.emulate.config import EmulationConfig, Phases, schedule
+from scripts.emulate.emulated import emulate
 from starsd import analytic
 
 CONTRACT = {
@@ -187,7 +188,7 @@ def test_latency_steadiness_picks_the_runs_it_names() -> None:
 def test_verify_time_alone_step_and_the_switch() -> None:
     """Catches: the per-token verify cost left out or applied to gamma + 1, an alone step that
     ignores its option, and alpha switching before its time or without --alpha-switch."""
-    from scripts.emulate.emulated import switch_time
+    from scripts.emulate.config import switch_time
 
     cfg = EmulationConfig(
         hub="",

@@ -14,6 +14,8 @@ from scripts.bench import hubs as bench_hubs
 from scripts.bench.common import sweep_order
 from scripts.bench.hubs import ONE, SPLIT, TWO
 from scripts.emulate import emulated
+from scripts.emulate.config import EmulationConfig
+from scripts.emulate.report import TargetRecord, balance, hubs_report
 from starsd import hub as hub_module
 from starsd import transport
 from starsd.protocol import Stats
@@ -22,9 +24,9 @@ from starsd.protocol import Stats
 def test_balance_shares_and_largest_over_even() -> None:
     """Catches: shares of the largest count instead of the total, a largest share not scaled
     by the number of hubs (0.75 instead of 1.5), and a division by zero when nothing ran."""
-    assert emulated.balance([30, 10]) == {"shares": [0.75, 0.25], "max_over_even": 1.5}
-    assert emulated.balance([5, 5])["max_over_even"] == 1.0
-    assert emulated.balance([0, 0]) == {"shares": [0.0, 0.0], "max_over_even": None}
+    assert balance([30, 10]) == {"shares": [0.75, 0.25], "max_over_even": 1.5}
+    assert balance([5, 5])["max_over_even"] == 1.0
+    assert balance([0, 0]) == {"shares": [0.0, 0.0], "max_over_even": None}
 
 
 def _stats(wall: float, busy: float, jobs: int, sessions: int) -> Stats:
@@ -44,13 +46,13 @@ def test_hubs_report_takes_each_hub_its_own_window() -> None:
     a = _spans([(0, 0, 0, 2), (1, 0.9, 10, 4), (3, 2.4, 50, 6), (4, 3.4, 60, 2)])
     b = _spans([(0, 0, 0, 0), (1, 0.1, 1, 2), (3, 0.6, 11, 2), (4, 0.7, 12, 0)])
     records = [
-        emulated.TargetRecord(placed={"A": 3, "B": 1}),
-        emulated.TargetRecord(placed={"A": 1}),
+        TargetRecord(placed={"A": 3, "B": 1}),
+        TargetRecord(placed={"A": 1}),
     ]
     records[0].per_hub("A").add(6, 0.02)
     records[1].per_hub("A").add(2, 0.04)
     records[1].per_hub("B").add(4, 0.01)
-    out = emulated.hubs_report(("A", "B"), records, [a, b], duration=2.0)
+    out = hubs_report(("A", "B"), records, [a, b], duration=2.0)
     hub_a, hub_b = out["hubs"]
     assert (hub_a["endpoint"], hub_a["sessions_placed"], hub_b["sessions_placed"]) == ("A", 4, 1)
     assert hub_a["busy_fraction"] == pytest.approx(0.75) and hub_a["jobs"] == 40
@@ -217,7 +219,7 @@ async def test_emulated_run_over_two_hubs_reports_each(
     """Catches: sessions all opened on the first hub (placement not used), STATS polled from
     one hub only (the other's figures missing or a copy), per-hub placements that do not add
     up to the sessions opened, and the pooled busy fraction not over both hubs."""
-    cfg = emulated.EmulationConfig(
+    cfg = EmulationConfig(
         hub=",".join(two_hubs),
         targets=4,
         verify_ms=2.0,

@@ -11,7 +11,7 @@ from scripts.bench import harness
 from scripts.bench import run as bench
 from scripts.bench import scale as bench_scale
 from scripts.bench import service as bench_service
-from scripts.emulate import emulated
+from scripts.emulate.report import service_curve
 from starsd import analytic
 from starsd.protocol import Stats, curve_arrays
 from starsd.service import ServiceCurve
@@ -75,14 +75,14 @@ def test_service_curve_from_per_size_counters() -> None:
             _stats([1, 4, 8], [12, 6, 2], [0.12, 0.15, 0.08]),
         ),
     ]
-    rows = emulated.service_curve(spans)
+    rows = service_curve(spans)
     assert rows == [
         {"batch": 1, "batches": 2, "service_ms": pytest.approx(10.0, rel=1e-5)},
         {"batch": 4, "batches": 4, "service_ms": pytest.approx(25.0, rel=1e-5)},
         {"batch": 8, "batches": 2, "service_ms": pytest.approx(40.0, rel=1e-5)},
     ]
     plain = Stats(0, 1.0, 0.5, 1, 1, 0, 0, 0, 0, 0, 0.0)  # a hub from before the curve
-    assert emulated.service_curve([(plain, plain)]) is None
+    assert service_curve([(plain, plain)]) is None
 
 
 def test_curve_points_prefer_per_size_rows_then_the_mean_batch() -> None:

@@ -12,7 +12,8 @@ import asyncio
 import pytest
 
 from edge import client as client_module
-from edge.client import HubClient, TargetInfo
+from edge.client import HubClient
+from edge.handshake import TargetInfo
 from starsd import protocol, transport
 from starsd.protocol import Close, Opened, SamplingParams
 

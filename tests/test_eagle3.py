@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from test_eagle_hub import _eagle_rounds, _two_token_law, greedy_alone, law_pvalue
 
 from edge.backends.torch import TorchBackend
-from edge.client import tap_problem
+from edge.handshake import tap_problem
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
 from starsd import models, protocol

@@ -14,7 +14,8 @@ from scipy import stats as scipy_stats
 
 from scripts.bench import trees as bench_trees
 from scripts.emulate.acceptance import accepted_path
-from scripts.emulate.emulated import EmulationConfig, emulate
+from scripts.emulate.config import EmulationConfig
+from scripts.emulate.emulated import emulate
 from starsd import analytic, tree
 from starsd import hub as hub_module
 from starsd.hub.drafters.base import DraftJob, new_chain_state

@@ -26,8 +26,9 @@ from test_hub import _greedy_reference
 from edge import speculate
 from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
-from edge.client import HubClient, HubError, HubUnavailable, TargetInfo, checked_welcome
+from edge.client import HubClient
 from edge.engine import Engine
+from edge.handshake import HubError, HubUnavailable, TargetInfo, checked_welcome
 from edge.hubs import HubPool
 from edge.speculate import Fallback, HubSession, ProposalRefused, checked_draft
 from edge.verifier import TargetSequence

@@ -13,7 +13,8 @@ from conftest import PROMPT, RunningHub
 
 from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
-from edge.client import HubClient, HubError, TargetInfo
+from edge.client import HubClient
+from edge.handshake import HubError, TargetInfo
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
 from starsd import models, protocol, transport

@@ -12,7 +12,8 @@ import pytest
 import zmq
 from conftest import PROMPT, RawTarget, RunningHub
 
-from edge.client import HubClient, HubUnavailable, TargetInfo
+from edge.client import HubClient
+from edge.handshake import HubUnavailable, TargetInfo
 from starsd import hub as hub_module
 from starsd import models, protocol, transport
 from starsd.curve_client import CurveClientConfig, HandshakeRejected

@@ -20,7 +20,8 @@ from conftest import RunningHub
 
 from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
-from edge.client import HubClient, HubLoad, TargetInfo
+from edge.client import HubClient
+from edge.handshake import HubLoad, TargetInfo
 from edge.hubs import HubPool, parse_hub_endpoints
 from edge.speculate import Fallback, generate_speculative
 from edge.target import parse_args

@@ -578,13 +578,15 @@ def test_a_field_with_no_wire_form_is_refused_at_import() -> None:
 
     @dataclasses.dataclass
     class Mismarked:
-        n: int = dataclasses.field(default=0, metadata=protocol._array(frozenset({"int32"}), 1))
+        n: int = dataclasses.field(
+            default=0, metadata=protocol.array_field(frozenset({"int32"}), 1)
+        )
 
     for cls in (Listed, Unmarked, Mismarked):
         with pytest.raises(TypeError):
             protocol._layout(cls)
     with pytest.raises(ValueError):
-        protocol._array(frozenset({"float64"}), 1)  # decode could not build it
+        protocol.array_field(frozenset({"float64"}), 1)  # decode could not build it
 
 
 def test_stats_carries_the_service_curve() -> None:
@@ -602,7 +604,7 @@ def test_stats_carries_the_service_curve() -> None:
 
 def test_a_group_needs_a_first_dimension() -> None:
     with pytest.raises(ValueError):
-        protocol._array(frozenset({"int32"}), 0, "curve")
+        protocol.array_field(frozenset({"int32"}), 0, "curve")
 
 
 def test_hub_stats_curve_round_trips_through_stats() -> None:

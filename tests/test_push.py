@@ -23,7 +23,8 @@ from test_predraft import first_round, idle, same
 
 from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
-from edge.client import HubClient, TargetInfo, push_for
+from edge.client import HubClient
+from edge.handshake import TargetInfo, push_for
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
 from starsd import limits, models, protocol, transport

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from edge.client import TargetInfo
+from edge.handshake import TargetInfo
 from scripts.bench import check_gpu_profile, replay
 from scripts.bench import hubs as bench_hubs
 from scripts.bench import run as bench_run

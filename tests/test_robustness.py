@@ -19,7 +19,8 @@ from test_hub import _greedy_reference
 
 from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
-from edge.client import HubClient, TargetInfo
+from edge.client import HubClient
+from edge.handshake import TargetInfo
 from edge.speculate import Fallback, generate_speculative
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module

@@ -23,8 +23,9 @@ from edge import speculate
 from edge.backends.onnxruntime import OnnxBackend
 from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
-from edge.client import HubClient, TargetInfo, checked_welcome
+from edge.client import HubClient
 from edge.engine import Engine
+from edge.handshake import TargetInfo, checked_welcome
 from edge.hubs import HubPool
 from edge.speculate import Fallback, HubSession, ProposalRefused, checked_draft, usable_draft
 from edge.verifier import TargetSequence, announced_tree_nodes, check_proposal

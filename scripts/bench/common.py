@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from edge.client import HubClient, TargetInfo
+from edge.client import HubClient
+from edge.handshake import TargetInfo
 from scripts.bench.harness import Processes, start_hub, stop, wait_for_line
 from scripts.bench.pinning import pinned
 from starsd import models, transport

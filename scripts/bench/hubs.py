@@ -43,7 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from edge.client import TargetInfo
+from edge.handshake import TargetInfo
 from scripts.bench import replay
 from scripts.bench.common import sweep_order
 from scripts.bench.harness import (

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from edge.backends.torch import TorchBackend
-from edge.client import TargetInfo
+from edge.handshake import TargetInfo
 from edge.verifier import TargetSequence
 from scripts.bench import assisted as bench_assisted
 from scripts.bench import predraft as bench_predraft

@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from edge.client import TargetInfo
+from edge.handshake import TargetInfo
 from scripts.bench import gamma as bench_gamma
 from scripts.bench import trees as bench_trees
 from scripts.bench.common import (

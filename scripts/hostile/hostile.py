@@ -205,7 +205,8 @@ async def legit_tokens_per_s(
     steps)."""
     from edge.backends.torch import TorchBackend
     from edge.batcher import Batcher
-    from edge.client import HubClient, TargetInfo
+    from edge.client import HubClient
+    from edge.handshake import TargetInfo
     from edge.speculate import generate_speculative
     from edge.verifier import TargetSequence
     from starsd import transport
