@@ -280,6 +280,16 @@ def test_the_hub_picks_the_tree_size_that_makes_the_most_tokens_per_second() -> 
     assert hub.chooser.best == 1 and later[-20:].count("t") >= 18
 
 
+def test_a_chooser_with_no_tree_shape_keeps_chains_through_its_retries() -> None:
+    """Catches a retry that looks for a losing option where there is none (it spun forever
+    once the first retry came due)."""
+    chooser = ShapeChooser(1)
+    for i in range(40 * MIN_PHASE):  # past several retries' due phases
+        option, phase = chooser.use_shape(loaded=False, now=float(i))
+        chooser.observe(option, (phase, phase), 10, 1.0)
+        assert option == 0
+
+
 def test_the_tree_ladder_halves_the_nodes_one_depth_shallower() -> None:
     """Catches a ladder of one shape (nothing to choose from), trees the hub cannot draft
     (a depth under 2, no more nodes than one depth's width) or more sizes than the rule tries."""

@@ -206,13 +206,15 @@ class ShapeChooser:
         return 0 if option == CHAIN else self.options - option
 
     def _next_loser(self) -> int:
-        """The option after the last retried one, skipping the best."""
+        """The option after the last retried one, skipping the best (the best itself when
+        there is no other)."""
         option = self.retried
-        while True:
+        while self.options > 1:
             option = (option + 1) % self.options
             if option != self.best:
                 self.retried = option
                 return option
+        return self.best
 
     def _fold(self, number: int) -> None:
         """Phase ``number``, whose rounds are back: its tokens over its seconds into its
