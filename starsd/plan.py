@@ -12,6 +12,16 @@ Gamma: the hub's rule itself, :func:`starsd.analytic.auto_gamma` (which asks
 :func:`starsd.goodput.best_gamma`), or a fixed ``--gamma``. Throughputs are
 :func:`starsd.analytic.predict` at that gamma: no second model here.
 
+Round shape (``--tree auto``, the hub's default): the chain at that gamma or one of the hub's
+tree sizes (:func:`starsd.tree_shapes.tree_ladder` of ``--tree-width/-depth/-nodes``), as
+:func:`starsd.analytic.pick_shape` says: chains when the hub would be fully loaded, else the
+shape that makes a target the most tokens per second. A tree's inputs: its E[L]
+(:func:`starsd.analytic.expected_tree_tokens` over :func:`starsd.tree_shapes.ranked_tree`, with
+``--sibling-alpha`` for a node's later children), the hub's cost of growing it (a(B) + (depth - 1)
+b(B x width), :meth:`starsd.service.ServiceCurve.tree_at`) and the target's verification of its
+nodes, V(1, nodes) interpolated on the profile's gammas. Sizing (N_full, break-even) stays with
+chains: a hub that fills drafts chains.
+
 A mixed fleet (several target kinds, COUNT each): for N targets on one hub, kind k holds the
 share c_k / C of them, the hub's batches are formed from all N whatever their kind, and kind k's
 figures are ``predict`` of kind k's inputs at N: as if every target cycled like kind k. Where
@@ -31,6 +41,7 @@ does not pay even for one target). Pure: no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -39,11 +50,13 @@ from pathlib import Path
 from typing import Any
 
 from starsd import analytic
-from starsd.profile import Profile, ProfileError
+from starsd.profile import Profile, ProfileError, interpolate
 from starsd.service import ServiceCurve
+from starsd.tree_shapes import TreeShape, ranked_tree
 
 HUB_MAX_BATCH = 64  # the hub's --max-batch default (HubConfig.max_batch)
 HUB_START_GAMMA = 4  # the gamma an auto hub starts sessions at (starsd.hub.config)
+HUB_TREE = TreeShape(2, 4, 8)  # the hub's --tree-width/-depth/-nodes defaults (HubConfig)
 SIZING_LIMIT = 4096  # how far sizing scans N
 
 
@@ -71,6 +84,8 @@ class Plan:
     max_gamma: int
     link_note: str
     notes: tuple[str, ...] = ()
+    trees: tuple[TreeShape, ...] = ()  # the hub's tree sizes (--tree auto); (): chains only
+    sibling_alpha: float = analytic.SIBLING_ALPHA
 
     @property
     def fleet(self) -> int:
@@ -209,6 +224,39 @@ def choose(plan: Plan, kind: Kind, n: int) -> tuple[int, analytic.Prediction]:
     return plan.gamma, analytic.predict_at(kind.inputs, n, plan.gamma)
 
 
+def tree_inputs(plan: Plan, kind: Kind, shape: TreeShape) -> analytic.ModelInputs:
+    """``kind``'s inputs for rounds that draft ``shape``'s tree (see the module docstring)."""
+    _, parents = ranked_tree(shape)
+    tokens = analytic.expected_tree_tokens(kind.inputs.alpha, plan.sibling_alpha, parents)
+    verify = kind.profile.seconds("verify_ms")
+    points = sorted((g, s) for (b, g), s in verify.items() if b == 1)
+    return dataclasses.replace(
+        kind.inputs,
+        tree=analytic.TreeRound(shape.width, shape.depth, tokens),
+        verify_s=interpolate(points, len(parents)),
+    )
+
+
+def choose_shape(plan: Plan, kind: Kind, n: int) -> tuple[str, int, analytic.Prediction]:
+    """The round shape (``"chain"``, a tree's ``"tree WxD/N"``, or ``"alone"`` at gamma 0), the
+    gamma and the prediction the hub would settle on for ``n`` targets (module docstring)."""
+    gamma, chain = choose(plan, kind, n)
+    if gamma == 0:
+        return "alone", gamma, chain
+    if not plan.trees:
+        return "chain", gamma, chain
+    trees = [analytic.predict(tree_inputs(plan, kind, shape), n) for shape in plan.trees]
+    pick = analytic.pick_shape(chain, trees)
+    if pick == 0:
+        return "chain", gamma, chain
+    return shape_name(plan.trees[pick - 1]), gamma, trees[pick - 1]
+
+
+def shape_name(shape: TreeShape) -> str:
+    """``tree 2x4/8``: width x depth / node budget."""
+    return f"tree {shape.width}x{shape.depth}/{shape.nodes}"
+
+
 def rows(plan: Plan, ns: Sequence[int]) -> list[dict[str, Any]]:
     """One row per N and kind, plus a fleet row per N when there are several kinds."""
     out = []
@@ -221,12 +269,13 @@ def rows(plan: Plan, ns: Sequence[int]) -> list[dict[str, Any]]:
 
 
 def _row(plan: Plan, kind: Kind, n: int) -> dict[str, Any]:
-    gamma, p = choose(plan, kind, n)
+    shape, gamma, p = choose_shape(plan, kind, n)
     share = kind.count / plan.fleet
     return {
         "n": n,
         "kind": kind.profile.name,
         "gamma": gamma,
+        "shape": shape,
         "regime": p.regime,
         "per_target_tokens_per_s": p.per_target_tokens_per_s,
         "speedup_vs_alone": p.per_target_tokens_per_s / kind.alone_tokens_per_s,
@@ -285,6 +334,8 @@ def as_json(plan: Plan, ns: Sequence[int]) -> dict[str, Any]:
         "draft": plan.draft.path,
         "gamma": plan.gamma if plan.gamma is not None else "auto",
         "max_gamma": plan.max_gamma,
+        "trees": [shape_name(t) for t in plan.trees],
+        "sibling_alpha": plan.sibling_alpha,
         "link": plan.link_note,
         "kinds": [
             {"profile": k.profile.path, "name": k.profile.name, "count": k.count}

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from starsd import analytic
 from starsd import plan as planning
 from starsd.profile import ProfileError, check_fingerprint, load_profile
+from starsd.tree_shapes import TreeShape, tree_ladder
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class PlanRequest:
     gamma: int | None = None  # None: auto
     max_gamma: int | None = None  # None: the draft profile's largest gamma
     draft_model: str | None = None
+    tree: str = "auto"  # "auto": the hub's tree sizes are candidates; "off": chains only
+    tree_shape: TreeShape = planning.HUB_TREE  # the hub's largest tree (--tree-width/-depth/-nodes)
+    sibling_alpha: float = analytic.SIBLING_ALPHA
 
 
 def target_spec(text: str) -> tuple[str, int]:
@@ -55,7 +60,12 @@ def build_plan(req: PlanRequest) -> planning.Plan:
     )
     max_gamma = req.max_gamma or max(draft.gammas("service_ms"))
     notes = [_source_note(draft, [t for t, _ in targets]), _gamma_note(gamma, max_gamma)]
-    return planning.Plan(draft, kinds, req.gamma, max_gamma, link_note, tuple(notes))
+    trees = tree_ladder(req.tree_shape) if req.tree == "auto" else ()
+    if not 0.0 <= req.sibling_alpha <= 1.0:
+        raise ProfileError(f"--sibling-alpha: {req.sibling_alpha} is not in [0, 1]")
+    return planning.Plan(
+        draft, kinds, req.gamma, max_gamma, link_note, tuple(notes), trees, req.sibling_alpha
+    )
 
 
 def _link(req: PlanRequest) -> tuple[float, str]:
@@ -93,6 +103,7 @@ def header(p: planning.Plan, max_n: int) -> list[str]:
         f"draft {p.draft.name} ({p.draft.source}); hub max batch M = {k0.max_batch}; "
         f"alpha {k0.alpha:.3f}; link {p.link_note}",
         f"gamma: {_gamma_text(p)}",
+        f"round shape: {_tree_text(p)}",
     ]
     for k in p.kinds:
         i = k.inputs
@@ -105,6 +116,16 @@ def header(p: planning.Plan, max_n: int) -> list[str]:
     return lines + [f"note: {n}" for n in (*p.notes, *([note] if note else []))]
 
 
+def _tree_text(p: planning.Plan) -> str:
+    if not p.trees:
+        return "chains only (--tree off)"
+    sizes = ", ".join(planning.shape_name(t) for t in p.trees)
+    return (
+        f"chain or {sizes} (--tree auto: chains when the hub is fully loaded; a node's later "
+        f"children accepted with {p.sibling_alpha:.2f})"
+    )
+
+
 def _gamma_text(p: planning.Plan) -> str:
     if p.gamma is None:
         return f"auto (the hub's policy rule, starsd.goodput, over 0..{p.max_gamma})"
@@ -114,15 +135,16 @@ def _gamma_text(p: planning.Plan) -> str:
 def table(p: planning.Plan, ns: Sequence[int]) -> str:
     """The markdown table of the sweep."""
     lines = [
-        "| N | kind | gamma | regime | per-target tok/s | x alone | system tok/s | hub busy |",
-        "|---|---|---|---|---|---|---|---|",
+        "| N | kind | gamma | shape | regime | per-target tok/s | x alone | system tok/s "
+        "| hub busy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in planning.rows(p, ns):
         if r["kind"] == "fleet":
-            lines.append(f"| {r['n']} | fleet | | | | | {r['system_tokens_per_s']:.1f} | |")
+            lines.append(f"| {r['n']} | fleet | | | | | | {r['system_tokens_per_s']:.1f} | |")
             continue
         lines.append(
-            f"| {r['n']} | {r['kind']} | {r['gamma']} | {r['regime']} | "
+            f"| {r['n']} | {r['kind']} | {r['gamma']} | {r['shape']} | {r['regime']} | "
             f"{r['per_target_tokens_per_s']:.1f} | {r['speedup_vs_alone']:.2f} | "
             f"{r['system_tokens_per_s']:.1f} | {r['hub_busy']:.2f} |"
         )

@@ -16,8 +16,10 @@ import argparse
 import sys
 from typing import Any
 
-from starsd.plan import HUB_MAX_BATCH
+from starsd.analytic import SIBLING_ALPHA
+from starsd.plan import HUB_MAX_BATCH, HUB_TREE
 from starsd.profile import ProfileError
+from starsd.tree_shapes import TreeShape
 
 DEFAULT_BATCHES = "1,2,4,8,16"
 DEFAULT_GAMMAS = "1,2,4,8"
@@ -114,6 +116,17 @@ def _plan_parser(commands: Any) -> None:
     p.add_argument("--max-batch", type=int, default=HUB_MAX_BATCH, help="the hub's --max-batch M")
     p.add_argument("--gamma", default="auto", help="auto (the hub's rule) or a fixed gamma")
     p.add_argument("--max-gamma", type=int, help="auto's largest gamma (default: measured)")
+    p.add_argument("--tree", default="auto", choices=("auto", "off"), help="the hub's --tree")
+    p.add_argument("--tree-width", type=int, default=HUB_TREE.width, help="the hub's --tree-width")
+    p.add_argument("--tree-depth", type=int, default=HUB_TREE.depth, help="the hub's --tree-depth")
+    p.add_argument("--tree-nodes", type=int, default=HUB_TREE.nodes, help="the hub's --tree-nodes")
+    p.add_argument(
+        "--sibling-alpha",
+        type=float,
+        default=SIBLING_ALPHA,
+        help="a tree node's later children: the chance each holds the token the ones before "
+        "missed (default fitted to the real pair's trees)",
+    )
     p.add_argument("--draft-model", help="check the draft profile was made of this model")
     p.add_argument("--plot", help="write the curves to this PNG")
     p.add_argument("--json", help="write the plan to this JSON")
@@ -225,6 +238,9 @@ def _plan(ns: argparse.Namespace) -> int:
         gamma=_gamma(ns.gamma),
         max_gamma=ns.max_gamma,
         draft_model=ns.draft_model,
+        tree=ns.tree,
+        tree_shape=_tree_shape(ns),
+        sibling_alpha=ns.sibling_alpha,
     )
     p = plan_report.build_plan(req)
     ns_list = planning.sweep(ns.max_n)
@@ -236,6 +252,13 @@ def _plan(ns: argparse.Namespace) -> int:
         plan_report.plot(p, ns_list, ns.plot)
         print(f"plot: {ns.plot}")
     return 0
+
+
+def _tree_shape(ns: argparse.Namespace) -> TreeShape:
+    try:
+        return TreeShape(ns.tree_width, ns.tree_depth, ns.tree_nodes)
+    except ValueError as exc:
+        raise ProfileError(f"--tree-width/-depth/-nodes: {exc}") from None
 
 
 def _gamma(text: str) -> int | None:

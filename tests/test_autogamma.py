@@ -540,8 +540,8 @@ def test_a_fixed_gamma_session_drafts_chains_under_tree_auto(mode: str) -> None:
     """Catches --tree auto drafting trees for a session whose target fixed its gamma (a shape
     chosen by timing changed a seeded sampled output from run to run; the chooser's second
     phase tries trees); --tree on still drafts its trees there (the operator's choice)."""
-    from starsd.hub.drafters.tree_draft import TreeShape
     from starsd.hub.pacing import TreePlan
+    from starsd.tree_shapes import TreeShape
 
     pacer = Pacer(GammaPolicy(), None, trees=TreePlan(mode, (TreeShape(2, 4, 8),)))
     state = new_chain_state(list(PROMPT), SamplingParams(), 4)

@@ -3,12 +3,15 @@ target accepts, the model's tree round, and the scale suite's tree comparison.""
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import serving_hub
 from scipy import stats as scipy_stats
 
@@ -19,10 +22,11 @@ from scripts.emulate.emulated import emulate
 from starsd import analytic, tree
 from starsd import hub as hub_module
 from starsd.hub.drafters.base import DraftJob, new_chain_state
-from starsd.hub.drafters.emulated import EmulatedProposer, ranked_tree
-from starsd.hub.drafters.tree_draft import TreeShape
+from starsd.hub.drafters.emulated import EmulatedProposer
+from starsd.hub.drafters.tree_draft import GrownTree, TreeBatch
 from starsd.protocol import SamplingParams
 from starsd.service import ServiceCurve
+from starsd.tree_shapes import CHOICE_WEIGHT, TreeShape, ranked_tree
 
 # a(B) = 1 ms + 0.1 ms per row, b(B) = 0.5 ms + 0.05 ms per row, measured at B = 1 and 64
 CURVE = ServiceCurve((1, 64), (1e-3, 7.3e-3), (0.5e-3, 3.65e-3))
@@ -51,6 +55,54 @@ def test_the_emulated_tree_is_the_tree_a_draft_grows() -> None:
         assert tree.path_to(parents, len(parents) - 1)[0] == 0  # the deepest node: first choice
     assert ranked_tree(TreeShape(1, 4, 4)) == ((0, 0, 0, 0), tree.chain(4))
     assert ranked_tree(TreeShape(2, 3, 6)) == ((0, 1, 0, 1, 0, 0), (-1, -1, 0, 0, 1, 2))
+
+
+# the real pair's measured trees that scripts.emulate.acceptance.SIBLING_ALPHA was fitted on
+FITTED_SHAPES = (TreeShape(2, 3, 6), TreeShape(2, 4, 8), TreeShape(3, 4, 12))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        TreeShape(2, 4, 8),
+        TreeShape(2, 3, 4),
+        TreeShape(2, 3, 6),
+        TreeShape(3, 4, 12),
+        TreeShape(4, 5, 24),
+        TreeShape(8, 4, 32),
+        TreeShape(4, 6, 32),
+        TreeShape(2, 5, 32),
+        TreeShape(1, 4, 4),
+    ],
+)
+def test_the_ranked_tree_is_what_the_hubs_growth_makes_of_those_choices(shape: TreeShape) -> None:
+    """Catches the model's tree (pure, for the planner and the emulated drafter) drifting from
+    the hub's drafting (TreeBatch: EAGLE-2's frontier and pruning): fed logits that weigh each
+    next choice CHOICE_WEIGHT of the one before, the real growth keeps as many nodes of each
+    depth and path-rank sum (the draft's score), and for the shapes the emulated acceptance was
+    fitted on, the same tree. (Not node for node everywhere: paths of equal rank sums tie
+    exactly, which TreeBatch's float32 running sums break by rounding, the model by its rule,
+    the earlier node; such nodes need not be equally likely to be accepted.)"""
+    weights = [math.log(CHOICE_WEIGHT) * k for k in range(shape.width)]
+    choices = torch.tensor(weights, dtype=torch.float32)  # [width] logits, best first
+    grown = GrownTree(SamplingParams(), torch.Generator())
+    trees = TreeBatch([grown], shape, committed_columns=0, committed=None)
+    depth = 1
+    while trees.grow(choices.expand(1, shape.width, -1), depth):
+        depth += 1
+    trees.finish()
+    tokens, parents = ranked_tree(shape)
+    assert _nodes_by_rank(tokens, parents) == _nodes_by_rank(grown.tokens, grown.parents)
+    if shape in FITTED_SHAPES:
+        assert (tokens, parents) == (tuple(grown.tokens), tuple(grown.parents))
+
+
+def _nodes_by_rank(tokens: Sequence[int], parents: Sequence[int]) -> Counter[tuple[int, int]]:
+    """(depth, sum of the path's choice ranks) of every node (token k: the k-th choice)."""
+    return Counter(
+        (len(path), sum(tokens[n] for n in path))
+        for path in (tree.path_to(list(parents), node) for node in range(len(parents)))
+    )
 
 
 def _job(state, accepted: int = 0, path: tuple[int, ...] | None = None) -> DraftJob:

@@ -3,6 +3,7 @@ plan's numbers against the analytic model and the hub's gamma rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,6 +15,7 @@ from starsd import analytic, cli, goodput, plan_report, profile, profile_cli
 from starsd import plan as planning
 from starsd.profile import ProfileError
 from starsd.service import ServiceCurve
+from starsd.tree_shapes import TreeShape, ranked_tree
 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES = (1, 2, 4, 8)
@@ -205,7 +207,7 @@ def test_fit_recovers_the_service_model() -> None:
 def test_plan_is_the_analytic_model(tmp_path: Path, gamma: int | None) -> None:
     """Every row equals starsd.analytic for inputs built from the profiles by hand (catches a
     second model creeping into the planner, and inputs read from the wrong cells)."""
-    plan = make_plan(tmp_path, gamma=gamma, alpha=0.75, link_ms=0.4, max_batch=16)
+    plan = make_plan(tmp_path, gamma=gamma, alpha=0.75, link_ms=0.4, max_batch=16, tree="off")
     (kind,) = plan.kinds
     assert kind.inputs.gamma == 4  # the hub's starting gamma, measured in both
     curve = planning.service_curve(plan.draft)
@@ -227,7 +229,7 @@ def test_plan_is_the_analytic_model(tmp_path: Path, gamma: int | None) -> None:
 def test_planner_gamma_is_the_hubs_rule(tmp_path: Path) -> None:
     """At N = 1 (under-loaded) the planner's gamma is starsd.goodput.best_gamma on the profile's
     costs (catches a planner that picks gamma by a rule the hub does not use)."""
-    plan = make_plan(tmp_path, alpha=0.8, link_ms=0.2)
+    plan = make_plan(tmp_path, alpha=0.8, link_ms=0.2, tree="off")
     (kind,) = plan.kinds
     i = kind.inputs
     expected = [analytic.expected_tokens_per_round(0.8, g) for g in range(9)]
@@ -235,6 +237,40 @@ def test_planner_gamma_is_the_hubs_rule(tmp_path: Path) -> None:
     want = goodput.best_gamma(expected, i.curve.costs(1, 8), outside, i.target_step_s, 1, False)
     (row,) = planning.rows(plan, [1])
     assert row["gamma"] == want and row["regime"] == "under-loaded"
+
+
+def test_the_plans_tree_is_the_models_and_the_hubs_rule_picks_it(tmp_path: Path) -> None:
+    """A target whose verification costs no more for 8 nodes than for 4 (per_pos 0: a GPU's
+    shape) gets the hub's 8-node tree while the hub idles, with exactly the model's prediction
+    for the tree's inputs built by hand (catches a second model, a tree verified at the chain's
+    cost, E[L] of another tree); chains once the hub is fully loaded, and chains throughout
+    when the verification grows with the nodes (this CPU's shape) or under --tree off."""
+    flat = write(tmp_path, "flat.json", target_raw(per_pos=0.0)) + ":10"
+    plan = make_plan(tmp_path, [flat], alpha=0.7, link_ms=0.2, max_batch=1)
+    assert [planning.shape_name(t) for t in plan.trees] == ["tree 2x4/8", "tree 2x3/4"]
+    (kind,) = plan.kinds
+    _, parents = ranked_tree(TreeShape(2, 4, 8))
+    tokens = analytic.expected_tree_tokens(0.7, analytic.SIBLING_ALPHA, parents)
+    by_hand = dataclasses.replace(
+        kind.inputs, tree=analytic.TreeRound(2, 4, tokens), verify_s=kind.inputs.target_step_s
+    )
+    full = planning.kind_sizing(plan, kind)["n_full"]
+    assert full is not None
+    one, many = planning.rows(plan, [1, full])
+    assert one["shape"] == "tree 2x4/8"
+    want = analytic.predict(by_hand, 1).per_target_tokens_per_s
+    assert one["per_target_tokens_per_s"] == pytest.approx(want, rel=1e-12)
+    chain = analytic.auto_gamma(kind.inputs, 1, plan.max_gamma)[1]
+    assert want > chain.per_target_tokens_per_s
+    assert many["shape"] == "chain" and many["regime"] == "fully-loaded"
+    mild = make_plan(tmp_path, [write(tmp_path, "m.json", target_raw(per_pos=0.05)) + ":1"])
+    tree_verify = planning.tree_inputs(mild, mild.kinds[0], TreeShape(2, 4, 8)).verify_s
+    assert tree_verify == pytest.approx(6.0 * (1 + 0.05 * 8) / 1e3)  # V(1, 8): 8 nodes, 9 rows
+    steep = make_plan(tmp_path, [write(tmp_path, "s.json", target_raw(per_pos=0.2)) + ":1"])
+    steep_shapes = {r["shape"] for r in planning.rows(steep, planning.sweep(64))}
+    assert "chain" in steep_shapes and steep_shapes <= {"chain", "alone"}
+    off = make_plan(tmp_path, [flat], alpha=0.7, link_ms=0.2, tree="off")
+    assert {r["shape"] for r in planning.rows(off, [1, 8])} == {"chain"}
 
 
 def test_sizing_at_a_fixed_gamma_is_the_saturation_point(tmp_path: Path) -> None:
@@ -354,12 +390,14 @@ async def test_profile_link_against_a_hub(running_hub: Any) -> None:
 
 
 def test_planner_constants_are_the_hubs() -> None:
-    """The planner's default M and starting gamma are the hub's (catches a hub default changed
-    without the planner, which would then plan another hub)."""
+    """The planner's default M, starting gamma and tree are the hub's (catches a hub default
+    changed without the planner, which would then plan another hub)."""
     from starsd.hub.config import AUTO_START_GAMMA, HubConfig
 
     assert HubConfig.__dataclass_fields__["max_batch"].default == planning.HUB_MAX_BATCH
     assert planning.HUB_START_GAMMA == AUTO_START_GAMMA
+    tree = (HubConfig.tree_width, HubConfig.tree_depth, HubConfig.tree_nodes)
+    assert tree == (planning.HUB_TREE.width, planning.HUB_TREE.depth, planning.HUB_TREE.nodes)
 
 
 def test_the_starsd_command_stays_light() -> None:

@@ -22,10 +22,11 @@ from starsd.hub.drafters import eagle_head as eagle
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.drafters.eagle import EagleProposer
 from starsd.hub.drafters.llm import LlmProposer
-from starsd.hub.drafters.tree_draft import ROOT, GrownTree, TreeBatch, TreeShape
+from starsd.hub.drafters.tree_draft import GrownTree, TreeBatch
 from starsd.hub.sessions import path_problem
-from starsd.hub.shapes import MIN_PHASE, PHASE_ROUNDS, ShapeChooser, tree_ladder
+from starsd.hub.shapes import MIN_PHASE, PHASE_ROUNDS, ShapeChooser
 from starsd.protocol import Proposal, SamplingParams
+from starsd.tree_shapes import ROOT, TreeShape, tree_ladder
 
 PROMPTS = [[5, 17, 33, 8], [3, 4, 9], [21, 22, 23, 24, 25, 26, 27]]
 # a draft LLM in StarSD's own Llama forward, in transformers' Llama, in transformers' GPT-2

@@ -60,7 +60,7 @@ from starsd import models, protocol
 from starsd.hub.build import load_proposer
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import Proposer
-from starsd.hub.drafters.tree_draft import TreeShape
+from starsd.tree_shapes import TreeShape
 
 TARGET, DRAFT = models.PAIRS["smollm2"]
 EAGLE3 = REPO / "models" / "smollm2-eagle3"  # the target's EAGLE-3 head, when it is there

@@ -44,9 +44,9 @@ from scripts.bench.harness import (
 from starsd import analytic, models, transport, tree
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.drafters.llm import LlmProposer
-from starsd.hub.drafters.tree_draft import TreeShape
 from starsd.protocol import Proposal, SamplingParams, Stats
 from starsd.stats import latency_summary
+from starsd.tree_shapes import TreeShape
 
 PROMPTS = HARNESS_PROMPTS[:6]
 

@@ -34,8 +34,7 @@ from scripts.bench.common import BenchConfig, run_record
 from scripts.emulate.acceptance import SIBLING_ALPHA
 from starsd import analytic, limits
 from starsd.hub.config import HubConfig
-from starsd.hub.drafters.emulated import ranked_tree
-from starsd.hub.drafters.tree_draft import TreeShape
+from starsd.tree_shapes import TreeShape, ranked_tree
 
 CHAINS, AUTO, ON = "chains", "auto", "on"
 MODES = (CHAINS, AUTO, ON)
@@ -116,9 +115,7 @@ def model_at(chains: analytic.ModelInputs, trees: analytic.ModelInputs, n: int) 
     """Each mode's predicted system tokens/s at ``n`` targets, and what auto would pick."""
     chain = bench_gamma.model_at(chains, n)
     tree = analytic.predict(trees, n)
-    pick_tree = (
-        tree.regime == "under-loaded" and tree.system_tokens_per_s > chain["auto_tokens_per_s"]
-    )
+    pick_tree = analytic.pick_shape(analytic.auto_gamma(chains, n)[1], [tree]) == 1
     rates = {CHAINS: chain["auto_tokens_per_s"], ON: tree.system_tokens_per_s}
     rates[AUTO] = rates[ON] if pick_tree else rates[CHAINS]
     return {"tokens_per_s": rates, "auto_picks_trees": pick_tree, "tree_regime": tree.regime}

@@ -33,7 +33,6 @@ import numpy as np
 
 from starsd import limits
 from starsd.hub.drafters.base import DraftJob
-from starsd.hub.drafters.tree_draft import TreeShape
 from starsd.hub.estimates import ServiceModel
 from starsd.hub.policy import (
     CommonGamma,
@@ -45,6 +44,7 @@ from starsd.hub.policy import (
     SessionPacing,
 )
 from starsd.hub.shapes import CHAIN, ShapeChooser
+from starsd.tree_shapes import TreeShape
 
 log = logging.getLogger("starsd.hub")
 
@@ -59,7 +59,7 @@ class TreePlan:
     under on the first (the configured one), under auto the rule's pick of them."""
 
     mode: str  # "auto" (the rule of starsd.hub.shapes) or "on" (always, where verified)
-    shapes: tuple[TreeShape, ...]  # starsd.hub.shapes.tree_ladder, the largest first
+    shapes: tuple[TreeShape, ...]  # starsd.tree_shapes.tree_ladder, the largest first
 
 
 @dataclass(frozen=True)

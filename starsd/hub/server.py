@@ -33,13 +33,11 @@ from starsd.budget import PeerBudget, Rates
 from starsd.hub import auth, gate, router
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
-from starsd.hub.drafters.tree_draft import TreeShape
 from starsd.hub.engine import DraftingEngine
 from starsd.hub.pacing import Pacer, TreePlan
 from starsd.hub.policy import GammaPolicy, PolicyParams
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import Limits, Peer, Refused, Session, SessionTable
-from starsd.hub.shapes import tree_ladder
 from starsd.logsafe import Throttle, printable
 from starsd.protocol import (
     Close,
@@ -58,6 +56,7 @@ from starsd.protocol import (
     Welcome,
 )
 from starsd.stats import HubStats
+from starsd.tree_shapes import TreeShape, tree_ladder
 
 if TYPE_CHECKING:  # built by build.py for draft-LLM hubs; this module only passes it on
     from starsd.hub.predraft import Predrafter

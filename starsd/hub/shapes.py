@@ -1,9 +1,9 @@
 """``--tree``: whether a session's round drafts a chain or a token tree, and which tree.
 
-The options are a chain and the hub's tree shapes (:func:`tree_ladder`: the configured shape and
-smaller ones, each half the nodes and one depth less). The rule is the goodput rule that picks
-gamma, measured instead of modelled (a tree's accepted path has no closed form in the
-per-position acceptance the gamma rule uses):
+The options are a chain and the hub's tree shapes (:func:`starsd.tree_shapes.tree_ladder`: the
+configured shape and smaller ones, each half the nodes and one depth less). The rule is the
+goodput rule that picks gamma, measured instead of modelled (a tree's accepted path has no
+closed form in the per-position acceptance the gamma rule uses):
 
 * under-loaded, a session's own tokens per second: each shape's committed tokens per round
   (accepted + 1) over its whole round's seconds, from the job that asked for it to the verdict
@@ -36,13 +36,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from starsd.hub.drafters.tree_draft import TreeShape
-
 log = logging.getLogger("starsd.hub")
 
 TREE_MODES = ("auto", "on", "off")
 CHAIN = 0  # option 0: a chain; option k >= 1: the hub's k-th tree shape (tree_ladder)
-MAX_TREE_SHAPES = 3  # tree sizes the rule compares (each costs trial phases)
 PHASE_ROUNDS = 4  # rounds per session in flight in one phase
 MIN_PHASE = 8  # rounds in one phase, however few sessions
 _SMOOTHING = 0.5  # weight of the newest phase in a shape's goodput
@@ -67,20 +64,6 @@ _LOAD_CHANGE = 1.5
 # chains at 35 tokens/s a session, 54 a phase later), and both figures rest on one phase each:
 # switch only on twice the margin (but see ShapeChooser._retrial_margin)
 _RETRIAL_HYSTERESIS = 2 * _HYSTERESIS
-
-
-def tree_ladder(largest: TreeShape) -> tuple[TreeShape, ...]:
-    """The tree shapes the rule compares: ``largest`` (the configured one), then each next half
-    its nodes one depth shallower (a shallower tree costs the hub fewer expansion forwards and
-    the target fewer rows), while it still holds a node more than one depth's width."""
-    shapes = [largest]
-    while len(shapes) < MAX_TREE_SHAPES:
-        last = shapes[-1]
-        smaller = TreeShape(last.width, max(last.depth - 1, 2), last.nodes // 2)
-        if smaller.nodes <= smaller.width or smaller == last:
-            break
-        shapes.append(smaller)
-    return tuple(shapes)
 
 
 @dataclass

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from starsd import sampling, tree
-from starsd.hub.drafters.tree_draft import GrownTree, TreeShape
+from starsd.hub.drafters.tree_draft import GrownTree
 from starsd.hub.drafters.vocab import DraftVocab
 from starsd.hub.policy import SessionPacing
 from starsd.protocol import Error, ErrorCode, Proposal, SamplingParams
+from starsd.tree_shapes import TreeShape
 
 log = logging.getLogger("starsd.hub.drafters")
 

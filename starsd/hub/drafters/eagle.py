@@ -35,8 +35,9 @@ from starsd.hub.drafters.base import (
     new_chain_state,
     propose_batched,
 )
-from starsd.hub.drafters.tree_draft import ROOT, TreeBatch, TreeShape
+from starsd.hub.drafters.tree_draft import TreeBatch
 from starsd.protocol import Error, Proposal, SamplingParams
+from starsd.tree_shapes import ROOT, TreeShape
 
 
 @dataclass

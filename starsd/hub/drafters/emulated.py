@@ -7,9 +7,10 @@ one) says it costs: the hub's batching, queueing, gamma and tree policies then r
 another machine's drafting costs (replaying a GPU hub's profile on a CPU). The sleep happens in
 the drafting thread, as a model's forward would.
 
-Token trees too (``--tree``): every tree of one shape has the same topology, the tree a draft
-grows (:mod:`~starsd.hub.drafters.tree_draft`, the real growth and pruning) when its k-th choice
-at every node holds :data:`CHOICE_WEIGHT` ** (k - 1) of its first choice's probability; a node's
+Token trees too (``--tree``): every tree of one shape has the same topology,
+:func:`starsd.tree_shapes.ranked_tree`: the tree a draft grows (EAGLE-2's growth and pruning, as
+:mod:`~starsd.hub.drafters.tree_draft` does it) when its k-th choice at every node holds
+:data:`~starsd.tree_shapes.CHOICE_WEIGHT` ** (k - 1) of its first choice's probability; a node's
 k-th listed child is its k-th choice and carries token k - 1 (siblings differ, as a target
 checks). Chain rows and tree rows of a batch are costed as the real proposers draft them, in
 separate forwards: S(B_chains, g) plus, per tree shape, a(B) + (depth - 1) b(B * width)
@@ -19,22 +20,17 @@ separate forwards: S(B_chains, g) plus, per tree shape, a(B) + (depth - 1) b(B *
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import time
 
 import numpy as np
-import torch
 
 from starsd.hub.drafters.base import ChainState, DraftJob, make_proposal
 from starsd.hub.drafters.null import NullProposer
-from starsd.hub.drafters.tree_draft import GrownTree, TreeBatch, TreeShape
 from starsd.plan import service_curve
 from starsd.profile import load_profile
-from starsd.protocol import Error, Proposal, SamplingParams
+from starsd.protocol import Error, Proposal
 from starsd.service import ServiceCurve
-
-CHOICE_WEIGHT = 0.25  # a draft's next choice at a node: this much of the one before's probability
+from starsd.tree_shapes import TreeShape, ranked_tree
 
 
 class EmulatedProposer(NullProposer):
@@ -79,7 +75,7 @@ class EmulatedProposer(NullProposer):
         return seconds
 
     def _proposal(self, job: DraftJob[ChainState]) -> Proposal:
-        """The null chain, or the round's tree (:func:`ranked_tree`)."""
+        """The null chain, or the round's tree (:func:`~starsd.tree_shapes.ranked_tree`)."""
         state = job.state
         if state.tree is None:
             return super()._proposal(job)
@@ -87,18 +83,3 @@ class EmulatedProposer(NullProposer):
         state.proposed, state.proposed_parents = list(tokens), list(parents)
         proposal = make_proposal(job, state.proposed, [], state.params)
         return dataclasses.replace(proposal, parents=np.asarray(parents, dtype=np.int32))
-
-
-@functools.lru_cache(maxsize=64)
-def ranked_tree(shape: TreeShape) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(tokens, parents) of the tree grown to ``shape`` by a draft whose choices at every node
-    weigh 1, CHOICE_WEIGHT, CHOICE_WEIGHT ** 2, ... (token k - 1: its k-th choice)."""
-    weights = [math.log(CHOICE_WEIGHT) * k for k in range(shape.width)]
-    choices = torch.tensor(weights, dtype=torch.float32)  # [width] logits, best first
-    grown = GrownTree(SamplingParams(), torch.Generator())
-    trees = TreeBatch([grown], shape, committed_columns=0, committed=None)
-    depth = 1
-    while trees.grow(choices.expand(1, shape.width, -1), depth):
-        depth += 1
-    trees.finish()
-    return tuple(grown.tokens), tuple(grown.parents)

@@ -33,10 +33,11 @@ from starsd.hub.drafters.base import (
     new_chain_state,
     propose_batched,
 )
-from starsd.hub.drafters.tree_draft import TreeBatch, TreeShape
+from starsd.hub.drafters.tree_draft import TreeBatch
 from starsd.hub.drafters.vocab import DraftVocab
 from starsd.llama import PaddedKeyValues
 from starsd.protocol import Error, Proposal, SamplingParams
+from starsd.tree_shapes import TreeShape
 
 
 @dataclass

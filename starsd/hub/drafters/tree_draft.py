@@ -33,26 +33,7 @@ import torch
 from starsd import sampling
 from starsd.hub.drafters.vocab import DraftVocab
 from starsd.protocol import SamplingParams
-
-ROOT = -1  # the parent index of a child of the root
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """A tree round's size: children per expanded node, depth and node budget."""
-
-    width: int  # children per expanded node, and nodes expanded per depth
-    depth: int  # the deepest node's depth (1: the root's children only)
-    nodes: int  # the most nodes a proposal holds
-
-    def __post_init__(self) -> None:
-        if self.width < 1 or self.depth < 1 or self.nodes < 1:
-            raise ValueError(f"a tree needs width, depth and nodes >= 1, got {self}")
-
-    @property
-    def fed_columns(self) -> int:
-        """Draft columns the growth feeds after the committed ones (expanded nodes)."""
-        return self.width * (self.depth - 1)
+from starsd.tree_shapes import ROOT, TreeShape
 
 
 @dataclass
