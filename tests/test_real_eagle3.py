@@ -7,13 +7,16 @@ these tests skip. The head is committed (``make real-eagle-heads``).
 from __future__ import annotations
 
 import pytest
+from greedy import assert_greedy
 from test_eagle_hub import _eagle_rounds, greedy_alone
+from test_tree_draft import _tree_rounds
 
 from edge.backends.torch import TorchBackend
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
 from starsd import models
 from starsd.protocol import SamplingParams
+from starsd.tree_shapes import TreeShape
 
 TARGET_DIR = models.PAIRS["smollm2"][0]
 HEAD_DIR = TARGET_DIR.parent / "smollm2-eagle3"
@@ -46,3 +49,26 @@ def test_greedy_through_the_real_eagle3_head_equals_the_target_alone() -> None:
         rounds += _eagle_rounds(hub, seq, 4)
         assert seq.generated == greedy_alone(target, prompt, NEW_TOKENS), question
     assert sum(rounds) > 0, rounds  # the head's drafts are used, not all rejected
+
+
+@pytest.mark.slow
+def test_greedy_through_the_real_heads_token_trees_equals_the_target_alone() -> None:
+    """Catches a tree verified wrongly at the real target's width and depth (a node seeing a
+    sibling through the 30-layer forward's mask, a compaction that keeps a rejected node's keys
+    in the pool, a head that loses its place after a path): greedy chat answers drafted as a
+    2 x 4 tree of 8 nodes every round equal the target alone, with paths longer than one node."""
+    config = hub_module.HubConfig(
+        model=str(HEAD_DIR), draft_kind="eagle3", target=str(TARGET_DIR), threads=1
+    )
+    hub = hub_module.build_hub(config)
+    target = models.load_causal_lm(TARGET_DIR)
+    backend = TorchBackend(target)
+    paths: list[int] = []
+    for question in CHATS:
+        prompt = models.chat_prompt_ids(target, [{"role": "user", "content": question}])
+        seq = TargetSequence(
+            backend, prompt, SamplingParams(), NEW_TOKENS, taps=hub.proposer.feature_layers
+        )
+        paths += _tree_rounds(hub, seq, TreeShape(2, 4, 8))
+        assert_greedy(target, prompt, seq.generated, greedy_alone(target, prompt, NEW_TOKENS))
+    assert max(paths) > 1, paths  # some round kept more than one node of a tree
