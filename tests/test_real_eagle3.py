@@ -28,18 +28,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _real_hub_and_target() -> tuple[hub_module.Hub, models.LoadedModel, TorchBackend]:
+    """An in-process hub drafting with the committed head, and the real target to verify."""
+    config = hub_module.HubConfig(
+        model=str(HEAD_DIR), draft_kind="eagle3", target=str(TARGET_DIR), threads=1
+    )
+    target = models.load_causal_lm(TARGET_DIR)
+    return hub_module.build_hub(config), target, TorchBackend(target)
+
+
 @pytest.mark.slow
 def test_greedy_through_the_real_eagle3_head_equals_the_target_alone() -> None:
     """Catches a real-width head that drafts in draft ids proposed as target ids, taps the
     wrong layers of a 30-layer target, or loses its place after a verdict: greedy chat answers
     through the hub's EAGLE-3 proposer equal transformers' ``generate()`` (float32) token for
     token, and the head's drafts are accepted."""
-    config = hub_module.HubConfig(
-        model=str(HEAD_DIR), draft_kind="eagle3", target=str(TARGET_DIR), threads=1
-    )
-    hub = hub_module.build_hub(config)
-    target = models.load_causal_lm(TARGET_DIR)
-    backend = TorchBackend(target)
+    hub, target, backend = _real_hub_and_target()
     rounds: list[int] = []
     for question in CHATS:
         prompt = models.chat_prompt_ids(target, [{"role": "user", "content": question}])
@@ -57,12 +61,7 @@ def test_greedy_through_the_real_heads_token_trees_equals_the_target_alone() -> 
     sibling through the 30-layer forward's mask, a compaction that keeps a rejected node's keys
     in the pool, a head that loses its place after a path): greedy chat answers drafted as a
     2 x 4 tree of 8 nodes every round equal the target alone, with paths longer than one node."""
-    config = hub_module.HubConfig(
-        model=str(HEAD_DIR), draft_kind="eagle3", target=str(TARGET_DIR), threads=1
-    )
-    hub = hub_module.build_hub(config)
-    target = models.load_causal_lm(TARGET_DIR)
-    backend = TorchBackend(target)
+    hub, target, backend = _real_hub_and_target()
     paths: list[int] = []
     for question in CHATS:
         prompt = models.chat_prompt_ids(target, [{"role": "user", "content": question}])
