@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import logging
 from collections.abc import Sequence
@@ -18,7 +19,14 @@ from typing import Any
 import torch
 
 from starsd.batch import LayerBuffer
-from starsd.llama import KeyValues, LlamaDecoder, LlamaLayer, LlamaShape, PaddedKeyValues
+from starsd.llama import (
+    KeyValues,
+    LlamaDecoder,
+    LlamaLayer,
+    LlamaShape,
+    PaddedKeyValues,
+    without_cudnn_attention,
+)
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +265,27 @@ def _tapped(hidden_states: Sequence[torch.Tensor], taps: Sequence[int]) -> torch
 @torch.inference_mode()
 def _run(loaded: LoadedModel, token_ids: list[int], cache: Any, hidden: bool) -> Any:
     ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, n]
-    return loaded.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
+    with without_cudnn_attention(loaded.device):
+        return loaded.model(
+            input_ids=ids,
+            **cache_arg(loaded.model, cache),
+            use_cache=True,
+            output_hidden_states=hidden,
+        )
+
+
+def cache_arg(model: Any, cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword ``model``'s forward takes it: ``cache`` in transformers' newer
+    5.x releases, ``past_key_values`` before them (an unknown keyword would be swallowed by the
+    forward's ``**kwargs`` and the cache silently left empty)."""
+    model_class: Any = type(model)
+    return {_cache_keyword(model_class): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: Any) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def kv_shapes(loaded: LoadedModel) -> list[tuple[int, int]]:
@@ -309,11 +337,11 @@ def forward_batch(
     if not isinstance(kv, PaddedKeyValues):
         raise ValueError(f"{loaded.name} runs transformers' attention: it needs padded buffers")
     mask = _transformers_mask(kv, input_ids.shape[1], next(loaded.model.parameters()).dtype)
-    with torch.inference_mode():
+    with torch.inference_mode(), without_cudnn_attention(loaded.device):
         mask = None if mask is None else mask.to(loaded.device)
         out = loaded.model(
             input_ids=input_ids.to(loaded.device),
-            cache=_buffer_cache(list(kv.buffers)),
+            **cache_arg(loaded.model, _buffer_cache(list(kv.buffers))),
             use_cache=True,
             attention_mask=mask,
             position_ids=positions.to(loaded.device),
@@ -368,7 +396,7 @@ def forward_explicit(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=attention_mask,
-        cache=cache,
+        **cache_arg(model, cache),
         use_cache=True,
         output_hidden_states=True,
     )

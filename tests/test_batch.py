@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,23 @@ def test_a_ragged_forward_equals_each_sequence_alone(
         real = logits[i, : len(feeds[i])]
         torch.testing.assert_close(real, alone[split[i] : len(seq)], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(step[i, 0], alone[-1], atol=1e-5, rtol=1e-4)
+
+
+class _OldForward:
+    """A forward with transformers' older name for the KV cache."""
+
+    def forward(self, input_ids: object = None, past_key_values: object = None, **kwargs: object):
+        raise NotImplementedError
+
+
+def test_the_cache_goes_under_the_keyword_the_forward_takes(
+    llama_pair: tuple[Path, Path],
+) -> None:
+    """Catches the cache passed as ``cache=`` to a transformers release whose forward calls it
+    ``past_key_values``: its ``**kwargs`` swallow the unknown keyword and the cache stays empty
+    (kv_shapes then fails; the verifier would re-read nothing)."""
+    assert list(models.cache_arg(_OldForward(), "C")) == ["past_key_values"]
+    loaded = models.load_causal_lm(llama_pair[0], lean=False)
+    (keyword,) = models.cache_arg(loaded.model, "C")
+    assert keyword in inspect.signature(type(loaded.model).forward).parameters
+    assert len(models.kv_shapes(loaded)) == loaded.model.config.num_hidden_layers
