@@ -22,12 +22,15 @@ its slot of one pool). This module imports no transformers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from starsd.batch import LayerBuffer
 
@@ -316,5 +319,17 @@ def attention(
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(weights, values)  # [B, kv, g, d]
     else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale)
-    return out.view(b, h, f, d).transpose(1, 2)  # [B, F, h, d]
+        with without_cudnn_attention(q.device):
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale)
+    return out.reshape(b, h, f, d).transpose(1, 2)  # [B, F, h, d] (sdpa kernels differ in layout)
+
+
+# sdpa's kernels but cuDNN's: cuDNN's attention builds an execution plan for every new shape,
+# and a speculative round's key length is new every round (on an H200 with torch 2.11, bf16:
+# 45-570 ms a call against tens of microseconds for the memory-efficient kernel).
+_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def without_cudnn_attention(device: torch.device) -> AbstractContextManager[None]:
+    """A context in which sdpa on ``device`` picks any kernel but cuDNN's (nothing on CPU)."""
+    return sdpa_kernel(_SDPA_KERNELS) if device.type == "cuda" else contextlib.nullcontext()

@@ -200,6 +200,70 @@ def test_grouped_heads_attend_like_repeated_keys(groups: int) -> None:
     torch.testing.assert_close(one, want[:, :1], atol=1e-6, rtol=1e-5)
 
 
+def _attention_case(
+    device: str = "cpu", dtype: torch.dtype = torch.float32, t: int = 9
+) -> tuple[torch.Tensor, ...]:
+    """q [2, 6, 3, 8] over keys / values [2, 2, t, 8] (grouped 3:1), a mask, and the
+    float32 reference [B, F, h, d]."""
+    torch.manual_seed(t)
+    q, keys, values = torch.randn(2, 6, 3, 8), torch.randn(2, 2, t, 8), torch.randn(2, 2, t, 8)
+    allowed = torch.rand(2, 1, 3, t) > 0.3
+    allowed[..., 0] = True
+    rep_k, rep_v = keys.repeat_interleave(3, 1), values.repeat_interleave(3, 1)
+    scores = (q @ rep_k.transpose(-1, -2) * 0.5).masked_fill(~allowed, float("-inf"))
+    want = (torch.softmax(scores, -1) @ rep_v).transpose(1, 2)
+    moved = [x.to(device, dtype) for x in (q, keys, values)]
+    return (*moved, allowed.to(device), want)
+
+
+def test_attention_takes_sdpa_output_in_any_memory_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches attention assuming sdpa's output is contiguous: CUDA's memory-efficient kernel
+    returns [B, h, F, d] values laid out as [B, F, h, d], which ``view`` refuses."""
+    import torch.nn.functional as F
+
+    from starsd.llama import attention
+
+    real = F.scaled_dot_product_attention
+
+    def transposed_layout(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real(*args, **kwargs)  # type: ignore[arg-type]
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other layout
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", transposed_layout)
+    q, keys, values, allowed, want = _attention_case()
+    torch.testing.assert_close(attention(q, keys, values, allowed, 0.5), want)
+
+
+def test_sdpa_on_cuda_leaves_out_cudnn_and_cpu_is_untouched() -> None:
+    """Catches cuDNN's attention left selectable on CUDA: it builds a plan for every new key
+    length, which a speculative round changes every round (45-570 ms a call on an H200)."""
+    from starsd.llama import without_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with without_cudnn_attention(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+    with without_cudnn_attention(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_on_cuda_equals_the_reference_as_keys_grow(dtype: torch.dtype) -> None:
+    """Catches the CUDA attention path (kernel choice, output layout) computing something else
+    than the reference over the key lengths of successive rounds."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from starsd.llama import attention
+
+    for t in range(100, 106):
+        q, keys, values, allowed, want = _attention_case("cuda", dtype, t)
+        got = attention(q, keys, values, allowed, 0.5).float().cpu()
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
 def test_an_unknown_forward_is_refused_at_start() -> None:
     """Catches a hub or target built in code with a misspelt forward, which would silently run
     transformers' forward instead of failing."""
