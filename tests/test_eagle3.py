@@ -442,3 +442,14 @@ def test_the_committed_toy_head_drafts_what_the_target_accepts() -> None:
         assert seq.generated == greedy_alone(target, prompt, 40), text
     # 2.54 here (greedy: the same every run); a head read with the wrong layers accepts ~0
     assert sum(rounds) / len(rounds) > 2.0, rounds
+
+
+def test_a_heads_profile_names_the_head_not_its_target(target_dir: Path, tmp_path: Path) -> None:
+    """Catches ``starsd profile draft`` of an EAGLE-3 head naming the profile after the target
+    whose tokenizer it speaks (the plan then printed the target as the draft)."""
+    from starsd.hub.profile import measure_draft
+
+    head = write_head(tmp_path / "head", target_dir, head_state(target_dir))
+    config = hub_module.HubConfig(model=str(head), draft_kind="eagle3", target=str(target_dir))
+    raw = measure_draft(config, [1], [2], 1, context=8, progress=lambda _: None)
+    assert raw["model"]["name"] == "head" and raw["model"]["target"] == str(target_dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from starsd import profile
@@ -38,7 +39,8 @@ def measure_draft(
     grid = {
         "service_ms": [{"batch": b, "gamma": g, **profile.summary(times[b, g])} for b, g in cells]
     }
-    model = {"name": info.name, "path": config.model, "draft_kind": config.draft_kind}
+    name = Path(config.model).name or config.model  # an EAGLE head's info names its target
+    model = {"name": name, "path": config.model, "draft_kind": config.draft_kind}
     if config.target:
         model["target"] = config.target
     extra = profile.settings(repeats, context, began)
