@@ -44,7 +44,8 @@ Auto gamma (``--gamma auto``, the hub's default): the hub picks each round's gam
 target is alike, so :func:`auto_gamma` runs the rule against the model itself: at the current gamma
 g it predicts the regime, the queue wait W and the largest batch B_1, asks the rule for the best g'
 given S(B_1, g') (:mod:`starsd.service`: measured at the inputs' gamma, one feed and g' - 1 decode
-steps, each costing as much as the feed), R (constant in g) and T_alone = T_ar, and repeats until g'
+steps, each costing as much as the feed), R(g') (the verify moved along ``verify_per_token_s``,
+the hub's own fitted slope; 0, R constant, by default) and T_alone = T_ar, and repeats until g'
 = g (where the hub settles), or, should the rule cycle (0, then speculation once the hub idles),
 takes the cycle's best. gamma 0 is the target alone: N / T_ar, the hub idle.
 
@@ -107,6 +108,9 @@ class ModelInputs:
     # first (gathering waits for them)
     per_message_s: float = 0.0
     tree: TreeRound | None = None  # every round drafts this tree (None: chains of gamma)
+    # dV/dg: how much the verify grows per draft token (0: R constant in gamma); a GPU's
+    # verify of 2 or 9 positions costs about one step, a CPU's grows with every position
+    verify_per_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_rate <= 1.0:
@@ -302,11 +306,17 @@ def break_even_targets(inputs: ModelInputs) -> int:
 
 def at_gamma(inputs: ModelInputs, gamma: int) -> ModelInputs:
     """The inputs with proposals of ``gamma`` tokens (>= 1): the curve's S(B, gamma); the
-    one-at-a-time S(1) scaled as one feed plus gamma - 1 decode steps of equal cost; R kept
-    (see the module docstring)."""
+    one-at-a-time S(1) scaled as one feed plus gamma - 1 decode steps of equal cost; the verify
+    moved along ``verify_per_token_s`` (see the module docstring)."""
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1 here, got {gamma}")
-    return dataclasses.replace(inputs, gamma=gamma, draft_s=inputs.draft_s * gamma / inputs.gamma)
+    verify = inputs.verify_s + (gamma - inputs.gamma) * inputs.verify_per_token_s
+    return dataclasses.replace(
+        inputs,
+        gamma=gamma,
+        draft_s=inputs.draft_s * gamma / inputs.gamma,
+        verify_s=max(verify, 0.0),
+    )
 
 
 def predict_at(inputs: ModelInputs, n_targets: int, gamma: int) -> Prediction:
@@ -322,7 +332,9 @@ def auto_gamma(inputs: ModelInputs, n_targets: int, max_gamma: int = 16) -> tupl
     prediction (see the module docstring)."""
     expected = [expected_tokens_per_round(inputs.alpha, g) for g in range(max_gamma + 1)]
     first = batch_sizes(n_targets, inputs.max_batch)[0]  # B_1 of a speculating round
-    r = round_trip_outside_hub(inputs)
+    at = [inputs] + [at_gamma(inputs, g) for g in range(1, max_gamma + 1)]  # index g
+    costs = [0.0] + [service_s(a, first) for a in at[1:]]
+    outside = [round_trip_outside_hub(a) for a in at]  # R(g)
     gamma, visited = min(inputs.gamma, max_gamma), list[int]()
     while gamma not in visited:
         visited.append(gamma)
@@ -330,11 +342,9 @@ def auto_gamma(inputs: ModelInputs, n_targets: int, max_gamma: int = 16) -> tupl
         loaded = p.regime == "fully-loaded"
         wait = 0.0  # under-loaded (or alone): a job's batch starts as it arrives
         if loaded:  # the queue: what is left of the cycle besides its batch and R
-            wait = max(p.iteration_s - service_s(at_gamma(inputs, gamma), first) - r, 0.0)
-        costs = [0.0] + [service_s(at_gamma(inputs, g), first) for g in range(1, max_gamma + 1)]
-        gamma = best_gamma(
-            expected, costs, [wait + r] * (max_gamma + 1), inputs.target_step_s, first, loaded
-        )
+            wait = max(p.iteration_s - costs[gamma] - outside[gamma], 0.0)
+        waited = [wait + r for r in outside]
+        gamma = best_gamma(expected, costs, waited, inputs.target_step_s, first, loaded)
     cycle = visited[visited.index(gamma) :]
     best = max(cycle, key=lambda g: (predict_at(inputs, n_targets, g).system_tokens_per_s, -g))
     return best, predict_at(inputs, n_targets, best)

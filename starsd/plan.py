@@ -3,10 +3,11 @@
 Inputs, per target kind: S(B, g) from the draft profile as a :class:`~starsd.service.ServiceCurve`
 (per measured B, a least-squares fit of S(B, g) = a(B) + (g - 1) b(B) over the measured gammas,
 a and b >= 0; one gamma: a = b = S / g, as the analytic model's own curves); T_ar = T(1) and
-verify = V(1, g_ref) from the target profile; the link's round trip from a link profile or
+verify = V(1, g_ref) from the target profile, moved at other gammas along the least-squares
+slope of V(1, g) over the profile's gammas (``verify_per_token_s``: the hub fits its sessions'
+round trips against gamma the same way); the link's round trip from a link profile or
 ``--link-ms``; alpha from ``--alpha`` or an acceptance file. g_ref is the gamma measured in every
-profile closest to the hub's starting gamma (4). The analytic model keeps R = verify + link
-constant in gamma (its own approximation): V(1, g_ref) stands for every gamma.
+profile closest to the hub's starting gamma (4).
 
 Gamma: the hub's rule itself, :func:`starsd.analytic.auto_gamma` (which asks
 :func:`starsd.goodput.best_gamma`), or a fixed ``--gamma``. Throughputs are
@@ -144,7 +145,16 @@ def kind_inputs(
         target_step_s=target.seconds("step_ms")[(1, 0)],
         max_batch=max_batch,
         curve=curve,
+        verify_per_token_s=verify_slope(target),
     )
+
+
+def verify_slope(target: Profile) -> float:
+    """dV/dg of V(1, g) by least squares over the profile's gammas, >= 0 (one gamma: 0), as
+    the hub fits its sessions' round trips against gamma."""
+    verify = target.seconds("verify_ms")
+    samples = sorted((g, s) for (b, g), s in verify.items() if b == 1)
+    return _fit(samples)[1] if len(samples) > 1 else 0.0
 
 
 def alpha_from_file(path: str | Path) -> float:

@@ -59,7 +59,8 @@ def build_plan(req: PlanRequest) -> planning.Plan:
         for t, n in targets
     )
     max_gamma = req.max_gamma or max(draft.gammas("service_ms"))
-    notes = [_source_note(draft, [t for t, _ in targets]), _gamma_note(gamma, max_gamma)]
+    slopes = [k.inputs.verify_per_token_s for k in kinds]
+    notes = [_source_note(draft, [t for t, _ in targets]), _gamma_note(gamma, max_gamma, slopes)]
     trees = tree_ladder(req.tree_shape) if req.tree == "auto" else ()
     if not 0.0 <= req.sibling_alpha <= 1.0:
         raise ProfileError(f"--sibling-alpha: {req.sibling_alpha} is not in [0, 1]")
@@ -86,10 +87,11 @@ def _source_note(draft: Any, targets: Sequence[Any]) -> str:
     return f"profiles: {kinds}"
 
 
-def _gamma_note(gamma: int, max_gamma: int) -> str:
+def _gamma_note(gamma: int, max_gamma: int, slopes: Sequence[float]) -> str:
+    per_token = ", ".join(f"{1e3 * s:.3f}" for s in slopes)
     return (
-        f"verify V(1, {gamma}) stands for every gamma (R constant in gamma, as in "
-        f"starsd.analytic); S(B, g) for g up to {max_gamma} from a(B) + (g - 1) b(B)"
+        f"verify V(1, g) = V(1, {gamma}) + (g - {gamma}) x {per_token} ms (least squares over "
+        f"the profile's gammas); S(B, g) for g up to {max_gamma} from a(B) + (g - 1) b(B)"
     )
 
 

@@ -290,6 +290,20 @@ def test_auto_gamma_for_one_target_is_the_best_fixed_gamma() -> None:
     assert analytic.at_gamma(slow_target, 8).draft_s == pytest.approx(0.004)
 
 
+def test_a_verify_that_grows_with_gamma_shortens_the_gamma_auto_picks() -> None:
+    """Catches R kept constant in gamma where the verify grows per position (a CPU's: the plan
+    then charged V(1, 4) at gamma 1 and told a pair that pays 1.1x to decode alone): at_gamma
+    moves the verify along ``verify_per_token_s``, and auto gamma is still the best fixed one."""
+    flat = ModelInputs(0.8, 4, 0.002, 0.020, 0.001, 0.018)
+    steep = dataclasses.replace(flat, verify_per_token_s=0.006)
+    assert analytic.at_gamma(steep, 1).verify_s == pytest.approx(0.002)
+    assert analytic.at_gamma(steep, 8).verify_s == pytest.approx(0.044)
+    gamma, _ = analytic.auto_gamma(steep, 1)
+    rates = {g: analytic.predict_at(steep, 1, g).per_target_tokens_per_s for g in range(17)}
+    assert gamma == max(rates, key=rates.__getitem__)
+    assert gamma < analytic.auto_gamma(flat, 1)[0]
+
+
 def test_auto_gamma_switches_off_past_break_even() -> None:
     """Catches a model that keeps speculating when every target would be faster alone (the
     hub's gamma 0): past break-even N auto must give each target 1 / T_ar, the hub idle."""

@@ -213,6 +213,9 @@ def test_plan_is_the_analytic_model(tmp_path: Path, gamma: int | None) -> None:
     curve = planning.service_curve(plan.draft)
     t1, v14 = 6.0 / 1e3, 6.0 * (1 + 0.05 * (1 * (4 + 1) - 1)) / 1e3  # as the cells hold them
     inputs = analytic.ModelInputs(0.75, 4, curve.at(1, 4), v14, 0.4e-3, t1, 16, curve)
+    # V(1, g) = 6 (1 + 0.05 g) ms: 0.3 ms more per draft token
+    assert kind.inputs.verify_per_token_s == pytest.approx(0.3e-3, rel=1e-9)
+    inputs = dataclasses.replace(inputs, verify_per_token_s=kind.inputs.verify_per_token_s)
     assert kind.inputs == inputs
     for row in planning.rows(plan, planning.sweep(64)):
         n = row["n"]
@@ -233,7 +236,7 @@ def test_planner_gamma_is_the_hubs_rule(tmp_path: Path) -> None:
     (kind,) = plan.kinds
     i = kind.inputs
     expected = [analytic.expected_tokens_per_round(0.8, g) for g in range(9)]
-    outside = [i.verify_s + i.link_s] * 9
+    outside = [i.verify_s + (g - 4) * i.verify_per_token_s + i.link_s for g in range(9)]
     want = goodput.best_gamma(expected, i.curve.costs(1, 8), outside, i.target_step_s, 1, False)
     (row,) = planning.rows(plan, [1])
     assert row["gamma"] == want and row["regime"] == "under-loaded"

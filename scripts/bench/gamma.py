@@ -21,8 +21,8 @@ switch, with emulated targets against the real hub (run by ``scripts/bench/scale
 * **The model beside them**: :func:`starsd.analytic.auto_gamma` (the same rule the hub applies,
   run against the model) and :func:`starsd.analytic.predict_at` for each fixed gamma, from the
   sweep's S(B) (calibration slices, gamma 4), the link time, the measured verify time at gamma 4
-  and T_alone = ``auto_verify_ms``. The model keeps R constant in gamma (the emulated verify
-  grows by ``auto_verify_per_token_ms`` per token) and scales S(B) by gamma / 4.
+  and T_alone = ``auto_verify_ms``. The model's verify grows by ``auto_verify_per_token_ms`` per
+  token, as the emulated verify does, and it scales S(B) by gamma / 4.
 """
 
 from __future__ import annotations
@@ -189,7 +189,11 @@ def model_inputs(
         else (cfg.auto_verify_ms + base.gamma * cfg.auto_verify_per_token_ms)
     )
     return replace(
-        base, alpha=cfg.alpha, verify_s=verify_ms / 1e3, target_step_s=cfg.auto_verify_ms / 1e3
+        base,
+        alpha=cfg.alpha,
+        verify_s=verify_ms / 1e3,
+        target_step_s=cfg.auto_verify_ms / 1e3,
+        verify_per_token_s=cfg.auto_verify_per_token_ms / 1e3,
     )
 
 
