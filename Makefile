@@ -53,7 +53,8 @@ help:
 	@echo "                 --concurrency 4 and 8, beside the model -> results/bench-real.json [QUICK=1: ~2 min]"
 	@echo "make check-gpu   (NVIDIA GPU) onnxruntime CUDA/TensorRT vs torch -> results/gpu-backends.json;"
 	@echo "                 starsd profile of the SmolLM2 target and both drafters on cuda -> profiles/measured-cuda-*.json"
-	@echo "                 and starsd plan from them -> results/plan-cuda(-llm).json (without CUDA: skipped, one line)"
+	@echo "                 and starsd plan from them -> results/plan-cuda(-llm).json; the toy pair through a hub on"
+	@echo "                 cuda vs alone -> results/gpu-pair.json (without CUDA: each skipped, one line)"
 	@echo "make load        streaming clients against edge.target --serve, hub vs --standalone"
 	@echo "                 (or URL=http://... a running server) -> results/load.json [QUICK=1]"
 
@@ -148,6 +149,7 @@ bench-real: $(READY)
 check-gpu: $(READY)
 	$(BIN)/python -m scripts.bench.check_gpu_backends --out results/gpu-backends.json
 	$(BIN)/python -m scripts.bench.check_gpu_profile
+	$(BIN)/python -m scripts.bench.check_gpu_pair
 
 bench-lan: $(READY)
 	$(BIN)/python -m scripts.bench.run --suite lan $(BENCH_ARGS)

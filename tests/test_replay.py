@@ -17,7 +17,7 @@ from scripts.bench import check_gpu_profile, replay
 from scripts.bench import hubs as bench_hubs
 from scripts.bench import run as bench_run
 from scripts.bench.common import BenchConfig
-from starsd import analytic
+from starsd import analytic, models
 from starsd.profile import ProfileError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,3 +219,63 @@ def test_check_gpu_profile_profiles_and_plans_on_cuda(tmp_path: Path) -> None:
     assert written["sizing"]["kinds"]
     for path in tmp_path.glob("measured-cuda-*.json"):
         assert json.loads(path.read_text())["machine"]["device"].startswith("cuda")
+
+
+def test_stand_in_weights_keep_the_models_fingerprint(
+    tmp_path: Path, llama_pair: tuple[Path, Path]
+) -> None:
+    """Catches stand-in weights (a GPU machine the real ones cannot reach) that are not the
+    model's tensors (names, shapes, dtype, file size): the profile would then fingerprint
+    another model, and the planner would refuse it or plan a different one."""
+    from safetensors.torch import load_file, save_file
+
+    from scripts.train.real_target import saved_tensors
+    from starsd.profile import model_fingerprint
+
+    real, stand_in = tmp_path / "real", tmp_path / "stand-in"
+    loaded = models.load_causal_lm(llama_pair[0], lean=False)
+    for where in (real, stand_in):
+        where.mkdir()
+        (where / "config.json").write_text((llama_pair[0] / "config.json").read_text())
+    save_file(saved_tensors(loaded.model), str(real / "model.safetensors"), {"format": "pt"})
+    assert not check_gpu_profile.has_weights(stand_in)
+    check_gpu_profile.write_stand_in_weights(stand_in, seed=7)  # not the pair's seed
+    assert check_gpu_profile.has_weights(stand_in)
+    assert check_gpu_profile.has_stand_in_weights(stand_in)
+    assert not check_gpu_profile.has_stand_in_weights(real)
+    assert model_fingerprint(stand_in)["id"] == model_fingerprint(real)["id"]
+    ours, theirs = load_file(stand_in / "model.safetensors"), load_file(real / "model.safetensors")
+    assert not torch.equal(
+        ours["model.layers.0.mlp.up_proj.weight"], theirs["model.layers.0.mlp.up_proj.weight"]
+    )
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"notes": "measured"}))
+    check_gpu_profile.note_stand_in(profile)
+    assert json.loads(profile.read_text())["notes"] == ["measured", check_gpu_profile.STAND_IN_NOTE]
+
+
+def test_check_gpu_profile_plans_with_each_drafters_measured_acceptance(tmp_path: Path) -> None:
+    """Catches the CUDA plans run on the default alpha, or on the other drafter's acceptance:
+    each plan takes its own drafter's mean accepted tokens at gamma 4 from the training
+    report."""
+    from starsd import plan as planning
+
+    report = tmp_path / "train.json"
+    evaluation = {"eagle3": {"4": {"mean_accepted": 2.0}}, "llm": {"4": {"mean_accepted": 1.0}}}
+    report.write_text(json.dumps({"evaluation": evaluation}))
+    files = check_gpu_profile.acceptance_files(report, tmp_path)
+    args = check_gpu_profile.parse_args(["--out-dir", "p", "--plan", "r/plan-cuda.json"])
+    plans = {
+        c[c.index("--json") + 1]: c
+        for c in check_gpu_profile.commands(args, files)
+        if c[0] == "plan"
+    }
+    head, llm = plans["r/plan-cuda.json"], plans["r/plan-cuda-llm.json"]
+    assert "smollm2-eagle3" in head[head.index("--draft") + 1]
+    alphas = {
+        name: planning.alpha_from_file(c[c.index("--acceptance") + 1])
+        for name, c in (("head", head), ("llm", llm))
+    }
+    for name, accepted in (("head", 2.0), ("llm", 1.0)):
+        assert sum(alphas[name] ** i for i in range(1, 5)) == pytest.approx(accepted, rel=1e-3)
+    assert check_gpu_profile.acceptance_files(tmp_path / "absent.json", tmp_path) == {}

@@ -46,7 +46,8 @@ class Processes:
     ) -> subprocess.Popen[bytes]:
         """``python ARGS`` (optionally behind ``prefix``, e.g. ``ip netns exec NS``, and
         confined to ``cpus``)."""
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+        path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 [*(prefix or []), sys.executable, *args],
