@@ -132,6 +132,8 @@ async def test_spans_alone_between_drafts_stay_lossless(
     assert peer.stats.alone_rounds > 0 and "gamma0=0.000" not in line
 
 
+# a torch tensor viewing the message's read-only features warns (and writing it is undefined)
+@pytest.mark.filterwarnings("error:The given NumPy array is not writable")
 async def test_spans_alone_with_eagle_carry_their_features(
     llama_pair: tuple[Path, Path], llama_target: models.LoadedModel, tmp_path: Path
 ) -> None:

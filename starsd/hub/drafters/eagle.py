@@ -93,7 +93,8 @@ class EagleProposer:
         ids = state.tokens[state.real_pairs + 1 : state.real_pairs + 1 + n]
         if len(ids) != n:  # the table checks the row count; this guards the invariant
             raise ValueError(f"{n} features for {len(ids)} uncached tokens")
-        feats = None if job.features is None else torch.from_numpy(job.features)
+        # a copy: the features decoded from the wire are a read-only view of the message
+        feats = None if job.features is None else torch.tensor(job.features)
         shape = fitting_tree(state, self.max_positions)
         return EagleRow(job, gamma, vocab=self.vocab, ids=ids, features=feats, shape=shape)
 
