@@ -5,6 +5,7 @@
     python -m starsd.analytic --max-batch 64 --curve 1:4.3,8:4.7,32:6.5 --n 64 256 1024
     python -m starsd.analytic --from results/bench.json [--plot curves.png]
     python -m starsd.analytic --gamma auto --alpha 0.7 ... --n 1 8 64    # the gamma auto picks
+    python -m starsd.analytic --verify-per-token-ms 9.5 ...   # a verify that grows with gamma
     python -m starsd.analytic --hit-rate 0.4 ...      # pre-drafting answers 40% while idle
     python -m starsd.analytic --hit-rate 0.5 --taken-rate 0.35 ...  # 35% taken as pushed
 
@@ -350,11 +351,17 @@ def auto_gamma(inputs: ModelInputs, n_targets: int, max_gamma: int = 16) -> tupl
     return best, predict_at(inputs, n_targets, best)
 
 
+def _verify_words(inputs: ModelInputs) -> str:
+    if not inputs.verify_per_token_s:
+        return "R constant"
+    return f"verify {1e3 * inputs.verify_per_token_s:.3f} ms more per draft token"
+
+
 def auto_table(inputs: ModelInputs, ns: list[int], max_gamma: int = 16) -> str:
     """A markdown table of the gamma auto settles at against N, beside the inputs' fixed one."""
     lines = [
         f"auto gamma (0..{max_gamma}; S measured at gamma {inputs.gamma}, scaled per draft "
-        f"step; R constant; T_alone = T_ar = {1e3 * inputs.target_step_s:.2f} ms):",
+        f"step; {_verify_words(inputs)}; T_alone = T_ar = {1e3 * inputs.target_step_s:.2f} ms):",
         "",
         "| N | gamma | regime | system tok/s | per-target tok/s | hub busy "
         f"| system tok/s at gamma {inputs.gamma} |",
@@ -517,6 +524,12 @@ def parse_cli(
     p.add_argument("--max-gamma", type=int, default=16, help="auto: the largest gamma")
     p.add_argument("--draft-ms", type=float, default=3.0, help="S(d) = S(1) per proposal")
     p.add_argument("--verify-ms", type=float, default=5.0)
+    p.add_argument(
+        "--verify-per-token-ms",
+        type=float,
+        default=0.0,
+        help="how much the verify grows per draft token (0: R constant in gamma)",
+    )
     p.add_argument("--link-ms", type=float, default=0.3)
     p.add_argument("--target-step-ms", type=float, default=4.0)
     p.add_argument("--max-batch", type=int, help="M (default: the curve's largest B, else 1)")
@@ -543,6 +556,8 @@ def parse_cli(
             raise ValueError("--gamma and --max-gamma must be >= 1 (or --gamma auto)")
         inputs = _with_batching(_base_inputs(a), a.curve, a.max_batch)
         inputs = dataclasses.replace(inputs, hit_rate=a.hit_rate, taken_rate=a.taken_rate)
+        if a.verify_per_token_ms:
+            inputs = dataclasses.replace(inputs, verify_per_token_s=a.verify_per_token_ms / 1e3)
     except ValueError as exc:
         p.error(str(exc))
     return inputs, a.n, a.plot, a.max_gamma if auto else None

@@ -357,6 +357,17 @@ def test_cli_gamma_auto_prints_the_chosen_gamma(capsys: pytest.CaptureFixture[st
         analytic.main(["--gamma", "often"])
 
 
+def test_cli_takes_the_verifys_growth_per_token(capsys: pytest.CaptureFixture[str]) -> None:
+    """Catches --verify-per-token-ms ignored: a verify of 91.5 ms at gamma 4 growing 9.45 ms a
+    token (the real pair on this CPU) makes gamma 1 pay (22.0 tok/s against 19.6 alone)."""
+    args = "--gamma auto --alpha 0.4 --draft-ms 2.3 --verify-ms 91.5 --target-step-ms 50.9"
+    analytic.main([*args.split(), "--link-ms", "0", "--verify-per-token-ms", "9.45", "--n", "1"])
+    out = capsys.readouterr().out
+    assert (
+        "verify 9.450 ms more per draft token" in out and "| 1 | 1 | under-loaded | 22.0 |" in out
+    )
+
+
 def test_pre_drafting_shortens_idle_rounds_and_changes_nothing_fully_loaded() -> None:
     """Catches a hit rate applied where the hub has no idle time to pre-draft in (a fully loaded
     hub would be predicted faster than its drafting allows), or not applied at all."""
