@@ -279,3 +279,40 @@ def test_check_gpu_profile_plans_with_each_drafters_measured_acceptance(tmp_path
     for name, accepted in (("head", 2.0), ("llm", 1.0)):
         assert sum(alphas[name] ** i for i in range(1, 5)) == pytest.approx(accepted, rel=1e-3)
     assert check_gpu_profile.acceptance_files(tmp_path / "absent.json", tmp_path) == {}
+
+
+def _line(i: int, ids: list[int], rate: float, rounds: int = 0, accepted: int = 0) -> dict:
+    stats = {"tokens_per_s": rate, "rounds": rounds, "accepted": accepted}
+    return {"id": i, "token_ids": ids, "stats": stats}
+
+
+def test_check_gpu_pair_reads_decode_rates_and_flags_a_different_output() -> None:
+    """Catches the CUDA pair check timing model loading (its rate must be tokens over each
+    sequence's own decode seconds), averaging acceptance per sequence instead of per round, or
+    calling outputs identical when one hub run differs from the target alone."""
+    from scripts.bench import check_gpu_pair
+
+    alone = check_gpu_pair.decode_figures([_line(1, [7] * 10, 10.0), _line(0, [5] * 30, 30.0)])
+    assert alone["tokens_per_s"] == pytest.approx(40 / 2.0)
+    assert alone["token_ids"] == [[5] * 30, [7] * 10]  # in id order
+    hub = check_gpu_pair.decode_figures(
+        [_line(0, [5] * 30, 60.0, rounds=10, accepted=20), _line(1, [7] * 10, 20.0, 1, 0)]
+    )
+    assert hub["mean_accepted"] == pytest.approx(20 / 11)
+    same = check_gpu_pair.summary({"standalone": [alone], "hub": [hub]})
+    assert same["identical"] and same["hub_over_standalone"] == pytest.approx(2.0)
+    other = dict(hub, token_ids=[[5] * 30, [7] * 9 + [8]])
+    assert not check_gpu_pair.summary({"standalone": [alone], "hub": [hub, other]})["identical"]
+
+
+def test_check_gpu_pair_skips_cleanly_without_cuda(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches make check-gpu's pair step failing (or running on the CPU) without CUDA."""
+    from scripts.bench import check_gpu_pair
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "pair.json"
+    assert check_gpu_pair.main(["--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == check_gpu_pair.SKIP_LINE
+    assert not out.exists()

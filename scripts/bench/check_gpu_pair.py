@@ -32,7 +32,9 @@ SKIP_LINE = "check-gpu: CUDA not available: skipping the hub + target pair on cu
 MODES = ("standalone", "hub")
 
 
-def target_command(args: argparse.Namespace, prompts: Path, out: Path, hub: str | None) -> list:
+def target_command(
+    args: argparse.Namespace, prompts: Path, out: Path, hub: str | None
+) -> list[str]:
     """``python -m edge.target`` over ``prompts`` on the device, alone or through ``hub``."""
     where = ["--hub", hub] if hub else ["--standalone"]
     device = ["--device", args.device, "--dtype", args.dtype]
