@@ -32,9 +32,7 @@ SKIP_LINE = "check-gpu: CUDA not available: skipping the hub + target pair on cu
 MODES = ("standalone", "hub")
 
 
-def target_command(
-    args: argparse.Namespace, prompts: Path, out: Path, hub: str | None
-) -> list[str]:
+def target_command(args: argparse.Namespace, prompts: Path, hub: str | None) -> list[str]:
     """``python -m edge.target`` over ``prompts`` on the device, alone or through ``hub``."""
     where = ["--hub", hub] if hub else ["--standalone"]
     device = ["--device", args.device, "--dtype", args.dtype]
@@ -93,7 +91,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             for mode in MODES[repeat % 2 :] + MODES[: repeat % 2]:
                 hub = endpoint if mode == "hub" else None
                 out = scratch / f"{mode}-{repeat}.jsonl"
-                runs[mode].append(run_target(target_command(args, prompts, out, hub), out))
+                runs[mode].append(run_target(target_command(args, prompts, hub), out))
                 print(f"check-gpu: {mode} {runs[mode][-1]['tokens_per_s']:.1f} tok/s", flush=True)
     finally:
         procs.stop_all()
