@@ -248,8 +248,9 @@ def test_stand_in_weights_keep_the_models_fingerprint(
     assert not torch.equal(
         ours["model.layers.0.mlp.up_proj.weight"], theirs["model.layers.0.mlp.up_proj.weight"]
     )
-    profile = tmp_path / "p.json"
-    profile.write_text(json.dumps({"notes": "measured"}))
+    profile = tmp_path / "p.json"  # a valid profile: the note is written through write_profile
+    toy = json.loads((REPO / "profiles/toy-target-cpu.json").read_text())
+    profile.write_text(json.dumps({**toy, "notes": "measured"}))
     check_gpu_profile.note_stand_in(profile)
     assert json.loads(profile.read_text())["notes"] == ["measured", check_gpu_profile.STAND_IN_NOTE]
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from scripts.bench.common import rotated
 from scripts.bench.harness import PROMPTS, REPO, Processes, start_hub, write_prompts
 
 SKIP_LINE = "check-gpu: CUDA not available: skipping the hub + target pair on cuda"
@@ -88,7 +89,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         _, endpoint = start_hub(procs, args.draft, scratch / "hub.log", *device)
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
         for repeat in range(args.repeats):
-            for mode in MODES[repeat % 2 :] + MODES[: repeat % 2]:
+            for mode in rotated(MODES, repeat):
                 hub = endpoint if mode == "hub" else None
                 out = scratch / f"{mode}-{repeat}.jsonl"
                 runs[mode].append(run_target(target_command(args, prompts, hub), out))

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from starsd import cli
+from starsd.profile import WEIGHT_SUFFIXES, write_profile
 
 SKIP_LINE = "check-gpu: CUDA not available: skipping starsd profile draft/target and plan on cuda"
 STAND_IN_NOTE = (
@@ -96,8 +97,8 @@ def acceptance_files(report: Path, out_dir: Path) -> dict[str, Path]:
 
 
 def has_weights(model_dir: Path) -> bool:
-    """Whether ``model_dir`` holds weight files (safetensors or a PyTorch bin)."""
-    return any(model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin"))
+    """Whether ``model_dir`` holds weight files (those the model fingerprint reads)."""
+    return any(p.suffix in WEIGHT_SUFFIXES for p in model_dir.iterdir())
 
 
 def write_stand_in_weights(model_dir: Path, seed: int = 0) -> None:
@@ -126,7 +127,7 @@ def note_stand_in(profile: Path) -> None:
     raw = json.loads(profile.read_text())
     notes = raw.get("notes") or []
     raw["notes"] = [*([notes] if isinstance(notes, str) else notes), STAND_IN_NOTE]
-    profile.write_text(json.dumps(raw, indent=1) + "\n")
+    write_profile(raw, profile)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -57,8 +57,8 @@ class EmulatedProposer(NullProposer):
             if isinstance(r, Proposal) and len(r.tokens)
         ]
         wait = self.cost(drafted) - (time.perf_counter() - began)
-        if wait > 0:
-            time.sleep(wait)
+        if wait > 0:  # propose runs in the hub's drafting thread, never on the event loop:
+            time.sleep(wait)  # the sleep stands for the forward it emulates, taking no CPU
         return results
 
     def cost(self, drafted: list[ChainState]) -> float:
