@@ -11,6 +11,7 @@ import pytest
 
 from starsd import analytic
 from starsd.analytic import ModelInputs
+from starsd.analytic import cli as analytic_cli
 from starsd.goodput import best_gamma
 from starsd.service import ServiceCurve
 
@@ -69,7 +70,7 @@ def test_saturation_and_break_even() -> None:
 
 
 def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    analytic.main(
+    analytic_cli.main(
         [
             "--alpha",
             "0.5",
@@ -251,7 +252,7 @@ def test_inputs_from_bench_reads_old_and_new_json(tmp_path: Path) -> None:
 def test_cli_prints_the_curve_and_the_new_n_full(capsys: pytest.CaptureFixture[str]) -> None:
     """Catches --curve or --max-batch ignored (N_full would stay 3), the S(B) table missing,
     and --max-batch without a curve accepted as free batching."""
-    analytic.main(
+    analytic_cli.main(
         [
             "--alpha",
             "0.5",
@@ -272,7 +273,7 @@ def test_cli_prints_the_curve_and_the_new_n_full(capsys: pytest.CaptureFixture[s
     assert "| 1 | 4.00 | 1.00 | 250 |" in out and "| 8 | 6.00 | 1.50 | 1333 |" in out
     assert "N_full = 17" in out and "| 17 | fully-loaded | 16.00 | 0.00 |" in out
     with pytest.raises(SystemExit):
-        analytic.main(["--max-batch", "8"])
+        analytic_cli.main(["--max-batch", "8"])
 
 
 # ------------------------------------------------------------------ auto gamma
@@ -332,7 +333,7 @@ def test_best_gamma_rule() -> None:
 
 def test_cli_gamma_auto_prints_the_chosen_gamma(capsys: pytest.CaptureFixture[str]) -> None:
     """Catches --gamma auto refused, or printing no choice per N."""
-    analytic.main(
+    analytic_cli.main(
         [
             "--gamma",
             "auto",
@@ -354,14 +355,15 @@ def test_cli_gamma_auto_prints_the_chosen_gamma(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert "auto gamma (0..16" in out and "| 8 | 0 | alone | 2000.0 |" in out
     with pytest.raises(SystemExit):
-        analytic.main(["--gamma", "often"])
+        analytic_cli.main(["--gamma", "often"])
 
 
 def test_cli_takes_the_verifys_growth_per_token(capsys: pytest.CaptureFixture[str]) -> None:
     """Catches --verify-per-token-ms ignored: a verify of 91.5 ms at gamma 4 growing 9.45 ms a
     token (the real pair on this CPU) makes gamma 1 pay (22.0 tok/s against 19.6 alone)."""
     args = "--gamma auto --alpha 0.4 --draft-ms 2.3 --verify-ms 91.5 --target-step-ms 50.9"
-    analytic.main([*args.split(), "--link-ms", "0", "--verify-per-token-ms", "9.45", "--n", "1"])
+    flags = ["--link-ms", "0", "--verify-per-token-ms", "9.45", "--n", "1"]
+    analytic_cli.main([*args.split(), *flags])
     out = capsys.readouterr().out
     assert (
         "verify 9.450 ms more per draft token" in out and "| 1 | 1 | under-loaded | 22.0 |" in out
