@@ -272,10 +272,11 @@ class RaggedBatch:
         if self.fed[row] == f_max or steps_kept == 0:  # one run of columns: a slice
             stop = c_max + self.fed[row] + (steps_kept if self.fed[row] == f_max else 0)
             return SequenceCache(whole[:, :, :, first:stop].clone())
+        device = whole.device  # (an index on another device than the cache is refused)
         keep = torch.cat(
             [
-                torch.arange(first, c_max + self.fed[row]),
-                torch.arange(c_max + f_max, c_max + f_max + steps_kept),
+                torch.arange(first, c_max + self.fed[row], device=device),
+                torch.arange(c_max + f_max, c_max + f_max + steps_kept, device=device),
             ]
         )
         return SequenceCache(whole.index_select(3, keep))

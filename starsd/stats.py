@@ -129,6 +129,7 @@ class HubStats:
     predraft_s: float = 0.0  # the drafting thread's time pre-drafting, while no job waited
     pushed: int = 0  # pre-drafted branches sent to their targets ahead of the verdict
     push_late: int = 0  # branches finished only after their verdict came (not pushed)
+    rounds_failed: int = 0  # jobs whose round raised: their sessions ended with INTERNAL
     by_size: dict[int, tuple[int, float]] = field(default_factory=dict)  # B -> (count, seconds)
     errors_by_code: dict[str, int] = field(default_factory=dict)  # ERROR replies sent, by code
     recent: BusyWindow = field(default_factory=BusyWindow)  # busy fraction, last ~2 s
@@ -181,7 +182,8 @@ class HubStats:
             f"messages={self.messages} errors_sent={self.errors_sent} "
             f"expired={self.sessions_expired} dropped={self.sessions_dropped} "
             f"unauthenticated={self.unauthenticated} over_budget={self.over_budget} "
-            f"predraft_s={self.predraft_s:.2f} pushed={self.pushed} push_late={self.push_late}"
+            f"predraft_s={self.predraft_s:.2f} pushed={self.pushed} push_late={self.push_late} "
+            f"failed={self.rounds_failed}"
         )
 
 

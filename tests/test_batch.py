@@ -39,19 +39,44 @@ def test_a_row_without_keys_is_refused(cached: tuple, fed: tuple) -> None:
         RaggedBatch(cached, fed, 0)
 
 
-def test_gather_then_scatter_gives_each_row_its_own_compact_cache() -> None:
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+def _filled(columns: int, value: float, device: str) -> torch.Tensor:
+    """Keys or values a forward appends for 2 rows x 2 heads (width 4)."""
+    return torch.full((2, 2, columns, 4), value, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_then_scatter_gives_each_row_its_own_compact_cache(device: str) -> None:
     """Catches a scatter that keeps padding or another row's columns, or a view into the whole
-    batch buffer (which would pin the batch's memory for as long as the session lives)."""
+    batch buffer (which would pin the batch's memory for as long as the session lives); on
+    CUDA, a column index built on the CPU (index_select refuses it: a hub pre-drafting on a GPU
+    lost its drafting thread to that)."""
     shapes = [(2, 4), (2, 4)]
     caches = [
-        SequenceCache.from_layers([(torch.randn(2, c, 4), torch.randn(2, c, 4)) for _ in shapes])
+        SequenceCache.from_layers(
+            [
+                (torch.randn(2, c, 4, device=device), torch.randn(2, c, 4, device=device))
+                for _ in shapes
+            ]
+        )
         for c in (3, 1)
     ]
     batch = RaggedBatch((3, 1), (2, 1), steps=1)
-    buffers = batch.gather(caches, shapes, torch.float32, torch.device("cpu"))
+    buffers = batch.gather(caches, shapes, torch.float32, torch.device(device))
     for b in buffers:  # what a forward would append: the feed, then one decode step
-        b.append(torch.full((2, 2, 2, 4), 5.0), torch.full((2, 2, 2, 4), 6.0))
-        b.append(torch.full((2, 2, 1, 4), 7.0), torch.full((2, 2, 1, 4), 8.0))
+        b.append(_filled(2, 5.0, device), _filled(2, 6.0, device))
+        b.append(_filled(1, 7.0, device), _filled(1, 8.0, device))
     row1 = batch.scatter(buffers, 1, steps_kept=1)
     assert row1.length == 1 + 1 + 1
     k, v = row1.layers[0]

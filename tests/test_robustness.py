@@ -137,6 +137,41 @@ def _routing_id(hub: hub_module.Hub, tag: bytes) -> bytes:
     return hub.sessions[tag].routing_id
 
 
+async def test_a_round_that_raises_ends_its_sessions_and_the_hub_drafts_on(
+    raw, running_hub: RunningHub, llama_target: models.LoadedModel, monkeypatch
+) -> None:
+    """Catches a drafting thread that dies on one failed round (a proposer bug, the device out
+    of memory): every target would then wait on a hub that answers nothing again. The failed
+    session gets INTERNAL (its target re-opens it) and the next round is drafted as usual."""
+    engine = running_hub.hub.engine
+    target = raw()
+    await target.hello(llama_target)
+    tag, _ = await target.open()
+    drafted = engine.proposer.propose
+    monkeypatch.setattr(engine.proposer, "propose", _raises_once(drafted))
+    await target.send(Draft(tag, 1, 2, np.array([9], dtype=np.int32)))
+    reply = await target.recv()
+    assert isinstance(reply, Error) and reply.code == ErrorCode.INTERNAL and reply.tag == tag
+    tag2, proposal = await target.open(ref=2)  # the hub drafts on
+    assert tag2 != tag and len(proposal.tokens) == 4
+    assert engine.thread.is_alive() and engine.stats.rounds_failed == 1
+    reply = await target.ask(Draft(tag, 1, 2, np.array([9], dtype=np.int32)))
+    assert isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_SESSION  # it ended
+
+
+def _raises_once(propose):
+    """``propose`` that raises on its first call only."""
+    calls = []
+
+    def flaky(jobs):
+        calls.append(len(jobs))
+        if len(calls) == 1:
+            raise RuntimeError("a proposer bug")
+        return propose(jobs)
+
+    return flaky
+
+
 async def test_per_target_session_quota(
     llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
 ) -> None:

@@ -100,9 +100,32 @@ class DraftingEngine:
         # waiting, one pre-draft forward at a time, so a job that arrives waits for one step.
         while (batch := self._next_batch()) is not None:
             if batch:
-                self.serve(batch)
+                self._serve_or_fail(batch)
             else:
                 self._predraft()
+
+    def _serve_or_fail(self, batch: list[DraftJob]) -> None:
+        """One round; a round that raises (a proposer bug, the device out of memory) ends
+        its sessions with INTERNAL, which their targets re-open, and the thread drafts on: a
+        dead drafting thread would leave every target waiting on a hub that answers nothing."""
+        try:
+            self.serve(batch)
+        except Exception:
+            log.exception("drafting a batch of %d failed; ending its sessions", len(batch))
+            self._fail(batch)
+
+    def _fail(self, batch: list[DraftJob]) -> None:
+        """Send each job of a failed round INTERNAL (its session is dropped: its draft state
+        may be half-advanced, and so may any pre-drafted branch)."""
+        if self.predrafter is not None:
+            self.predrafter.drop_all()
+        started = self.clock()
+        with self.lock:
+            self.stats.rounds_failed += len(batch)
+            for job in batch:
+                problem = "drafting failed on the hub; re-open the session"
+                error = Error(ErrorCode.INTERNAL, problem, tag=job.tag, seq=job.seq)
+                self._deliver_one(job, error, started, hit=False)
 
     # ------------------------------------------------------------------ the round
 

@@ -147,6 +147,14 @@ class Predrafter:
         for tag in [tag for tag in self.waiting if not is_open(tag)]:
             del self.waiting[tag]
 
+    def drop_all(self) -> None:
+        """Drop every branch and the running batch (after a failed round: their drafting
+        state may be half-advanced)."""
+        self.waiting.clear()
+        self.to_probe.clear()
+        self.to_draft.clear()
+        self.running = None
+
     def forget(self, tag: bytes) -> None:
         """Drop the session's branches: its verdict came in a round no branch can answer (a span
         alone, or the probe after one, whose verdict is not the one they were drafted for)."""
