@@ -14,10 +14,11 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zmq
 
 from starsd import protocol, transport
-from starsd.hub.router import Received, bind_router
+from starsd.hub.router import BindError, Received, bind_router
 from starsd.protocol import Ping, Pong
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +38,24 @@ async def _client(ctx: zmq.asyncio.Context, endpoint: str, index: int, rounds: i
         return rounds
     finally:
         sock.close(linger=0)
+
+
+def test_an_endpoint_in_use_is_a_clear_error_and_the_context_still_ends() -> None:
+    """Catches a hub that cannot bind hanging for ever instead of exiting: the ROUTER it made
+    stayed open, so the context's term() waited on it (measured: a second hub on a busy port
+    printed a traceback and never exited)."""
+    busy_ctx, ctx = transport.new_context(), transport.new_context()
+    first = bind_router(busy_ctx, "tcp://127.0.0.1:*")
+    try:
+        with pytest.raises(BindError, match=r"cannot bind tcp://127\.0\.0\.1:\d+: Address already in use"):
+            bind_router(ctx, first.endpoint)
+    finally:
+        first.close()
+        busy_ctx.term()
+    ended = threading.Thread(target=ctx.term, daemon=True)
+    ended.start()
+    ended.join(10)
+    assert not ended.is_alive()
 
 
 async def test_every_client_gets_its_replies_when_a_worker_thread_answers() -> None:

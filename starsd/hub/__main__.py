@@ -9,7 +9,7 @@ import os
 import signal
 
 from starsd import keys, limits, models, protocol, transport
-from starsd.hub import Hub, HubConfig, auth, build_hub
+from starsd.hub import Hub, HubConfig, auth, build_hub, router
 from starsd.hub.drafters import KINDS
 from starsd.hub.shapes import TREE_MODES
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         transport.run_loop(run(config, hub))
-    except (auth.InsecureEndpointError, keys.KeyFileError) as exc:
+    except (auth.InsecureEndpointError, keys.KeyFileError, router.BindError) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -212,6 +212,17 @@ def _ignore(batch: list[Received]) -> None:
 HUB_HANDSHAKE_MS = gate.HANDSHAKE_MS  # a peer that has not finished its handshake is dropped
 
 
+class BindError(OSError):
+    """The hub's endpoint cannot be bound (in use, no such interface, a malformed address)."""
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> None:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise BindError(f"cannot bind {endpoint}: {zmq.strerror(exc.errno)}") from exc
+
+
 def bind_router(
     ctx: zmq.Context,
     endpoint: str,
@@ -231,10 +242,11 @@ def bind_router(
     (:func:`hub_max_frame_bytes` sizes it to what a hub can legitimately receive).
     """
     guard = gate.start_authenticator(ctx, None, limits=limits) if curve is None else None
+    sock: zmq.Socket | None = None
     try:
         gatekeeper = gate.running_on(ctx)
         seed_routing_ids()
-        sock: zmq.Socket = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # sync: Router
+        sock = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # sync: Router
         # No ZMTP heartbeats: libzmq 4.3.5 aborts the process (assert !_io_error,
         # stream_engine_base.cpp:310) when a heartbeat timer fires on a connection whose peer
         # vanished while its input was stopped at the high-water mark, which any peer can
@@ -251,8 +263,10 @@ def bind_router(
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         if gatekeeper is not None:
             gatekeeper.watch(sock)
-        sock.bind(endpoint)
+        _bind(sock, endpoint)
     except BaseException:
+        if sock is not None:  # an open socket would block the context's term() for ever
+            sock.close(linger=0)
         if guard is not None:
             guard.stop()
         raise

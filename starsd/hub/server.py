@@ -159,9 +159,14 @@ class Hub:
             self.welcome.feature_dtype,
             self.config.max_gamma,
         )
-        self.router = sock = router.bind_router(
-            ctx, self.config.bind, self.config.curve, max_frame_bytes=frame_limit
-        )
+        try:
+            self.router = sock = router.bind_router(
+                ctx, self.config.bind, self.config.curve, max_frame_bytes=frame_limit
+            )
+        except BaseException:
+            if authenticator is not None:
+                authenticator.stop()
+            raise
         self.endpoint = sock.endpoint
         self.engine.start()
         self._log_start()
