@@ -47,7 +47,9 @@ def test_an_endpoint_in_use_is_a_clear_error_and_the_context_still_ends() -> Non
     busy_ctx, ctx = transport.new_context(), transport.new_context()
     first = bind_router(busy_ctx, "tcp://127.0.0.1:*")
     try:
-        with pytest.raises(BindError, match=r"cannot bind tcp://127\.0\.0\.1:\d+: Address already in use"):
+        with pytest.raises(
+            BindError, match=r"cannot bind tcp://127\.0\.0\.1:\d+: Address already in use"
+        ):
             bind_router(ctx, first.endpoint)
     finally:
         first.close()
