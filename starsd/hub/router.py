@@ -220,7 +220,7 @@ def _bind(sock: zmq.Socket, endpoint: str) -> None:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
-        raise BindError(f"cannot bind {endpoint}: {zmq.strerror(exc.errno)}") from exc
+        raise BindError(f"cannot bind {endpoint}: {zmq.strerror(exc.errno or 0)}") from exc
 
 
 def bind_router(
