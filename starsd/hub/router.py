@@ -220,7 +220,8 @@ def _bind(sock: zmq.Socket, endpoint: str) -> None:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
-        raise BindError(f"cannot bind {endpoint}: {zmq.strerror(exc.errno or 0)}") from exc
+        problem = zmq.strerror(exc.errno) if exc.errno else str(exc)
+        raise BindError(f"cannot bind {endpoint}: {problem}") from exc
 
 
 def bind_router(
