@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import RunningHub, serving_hub
 
+from scripts.bench import hub_flood
 from scripts.bench import scale as bench_scale
 from scripts.emulate.acceptance import accepted_count
 from scripts.emulate.config import EmulationConfig, Phases, schedule
@@ -270,3 +272,22 @@ async def test_emulated_auto_gamma_and_switch_trace(
     assert {t["target"] for t in traces} == {0, 1}
     crossed = [t for t in traces if t["switch_round"] is not None]
     assert crossed and all(0 <= t["switch_round"] <= len(t["gammas"]) for t in crossed)
+
+
+def test_hub_flood_splits_python_from_zeromq_threads() -> None:
+    """Catches ZeroMQ's I/O threads counted as the hub's serial (GIL) cost, or a thread that
+    appeared between the two readings left out."""
+    before = {"python:1": 1.0, "ZMQbg/IO/0:3": 0.5}
+    after = {"python:1": 1.25, "python:2": 0.125, "ZMQbg/IO/0:3": 0.75, "ZMQbg/Reaper:4": 0.0}
+    assert hub_flood.python_cpu_s(before, after) == (0.375, 0.25)
+
+
+@pytest.mark.slow
+def test_hub_flood_measures_a_null_hub(tmp_path: Path) -> None:
+    """Catches a flood that stalls (a DRAFT with a stale seq is refused, not answered) or reads
+    another process's CPU: every session count completes rounds and the hub spent CPU on them."""
+    out = tmp_path / "flood.json"
+    assert hub_flood.main(["--sessions", "1,4", "--seconds", "0.5", "--out", str(out)]) == 0
+    floods = json.loads(out.read_text())["floods"]
+    assert [f["sessions"] for f in floods] == [1, 4]
+    assert all(f["rounds_per_s"] > 50 and f["hub_python_cpu_ms_per_round"] > 0 for f in floods)

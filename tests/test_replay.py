@@ -4,6 +4,7 @@ Unit level: no processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -179,6 +180,34 @@ def test_scale_plan_check_follows_each_runs_hub_and_gamma() -> None:
     assert "plan_error" not in runs[-1]
     assert check["max_prediction_error"] == pytest.approx(runs[1]["plan_error"])
     assert want[0].system_tokens_per_s < want[1].system_tokens_per_s
+
+
+def test_scale_plan_check_adds_the_load_generators_serial_cost_beside_the_plan() -> None:
+    """Catches the load-generator diagnostic taking the wrong per-message cost (it is the one
+    emulator process's CPU seconds per round of that run) or leaking into the plan's own
+    prediction (which is for targets on machines of their own)."""
+    cfg = BenchConfig("scale", "target", "draft", draft_profile=DRAFT, target_profile=TARGET)
+    runs = [_record("emulated-batched", n, 100.0 * n) for n in (8, 64)]
+    for record in runs:  # 2 tokens a round: 50 n rounds a second
+        record.update(mean_accepted=1.0, emulator_cpu_fraction=0.005 * record["n_targets"])
+    check = replay.scale_check({"runs": runs, "link_round_ms": 1.0}, cfg)
+    assert check is not None
+    pair = replay.load_pair(DRAFT, TARGET)
+    base = replay.plan_inputs(pair, cfg.alpha, 1e-3, cfg.max_batch, cfg.gamma)
+    for record in runs:
+        slowed = dataclasses.replace(base, per_message_s=0.005 / 50)
+        want = analytic.predict(slowed, record["n_targets"]).system_tokens_per_s
+        assert record["plan_predicted_with_load_generator"] == pytest.approx(want)
+        plain = analytic.predict(base, record["n_targets"]).system_tokens_per_s
+        assert record["plan_predicted_system_tokens_per_s"] == pytest.approx(plain)
+    assert (
+        runs[1]["plan_predicted_with_load_generator"]
+        < runs[1]["plan_predicted_system_tokens_per_s"]
+    )
+    errors = [
+        abs(r["system_tokens_per_s"] / r["plan_predicted_with_load_generator"] - 1) for r in runs
+    ]
+    assert check["max_prediction_error_with_load_generator"] == pytest.approx(max(errors))
 
 
 def test_check_gpu_profile_skips_cleanly_without_cuda(

@@ -160,7 +160,7 @@ def scale_check(result: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
     sweep = [r for r in annotated if r["mode"] == "emulated-batched"]
     return check_summary(
         sweep,
-        max_prediction_error_with_hub_overhead=overhead_error(result, pair, cfg, sweep),
+        max_prediction_error_with_load_generator=load_generator_error(pair, cfg, link_s, sweep),
         max_prediction_error_all_runs=max_error(annotated),
         by_mode_all_runs={
             m: max_error(r for r in annotated if r["mode"] == m) for m in modes(annotated)
@@ -169,18 +169,33 @@ def scale_check(result: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
     )
 
 
-def overhead_error(
-    result: dict[str, Any], pair: ProfilePair, cfg: Any, sweep: list[dict[str, Any]]
+def load_generator_error(
+    pair: ProfilePair, cfg: Any, link_s: float, sweep: list[dict]
 ) -> float | None:
-    """A diagnostic, not the check: the largest error over the batched sweep of the plan with
-    the hub's serial cost per message on this CPU (the suite's back-to-back overhead probe,
-    ``per_message_s``) added, which ``starsd plan`` leaves out (None without the probe)."""
-    probe = (result.get("hub_overhead") or {}).get("back_to_back")
-    if not probe or not sweep:
-        return None
-    inputs = plan_inputs(pair, cfg.alpha, result["link_round_ms"] / 1e3, cfg.max_batch, cfg.gamma)
-    inputs = replace(inputs, per_message_s=probe["added_ms"] / 1e3)
-    return max(error(r["system_tokens_per_s"], predicted(inputs, r["n_targets"])) for r in sweep)
+    """A diagnostic beside the check: the largest error over the batched sweep of the plan
+    with the load generator's own serial cost per message added (``per_message_s``: the
+    emulator process's CPU seconds per round, measured in the same run). One process stands
+    in for all N targets and handles a batch's proposals one after another, so the last
+    target of a batch of B starts verifying about (B - 1) of those later; real targets, each
+    on its own machine, do not queue so. Each record gets the prediction as
+    ``plan_predicted_with_load_generator``. None when the runs did not record that CPU."""
+    errors = []
+    for record in sweep:
+        cpu = record.get("emulator_cpu_fraction")
+        rounds = rounds_per_s(record) if cpu is not None else 0.0
+        if not rounds:
+            return None
+        inputs = plan_inputs(pair, cfg.alpha, link_s, cfg.max_batch, cfg.gamma)
+        inputs = replace(inputs, per_message_s=cpu / rounds)
+        prediction = predicted(inputs, record["n_targets"])
+        record["plan_predicted_with_load_generator"] = prediction
+        errors.append(error(record["system_tokens_per_s"], prediction))
+    return max(errors, default=None)
+
+
+def rounds_per_s(record: dict[str, Any]) -> float:
+    """A run's rounds a second, all targets together (tokens over tokens per round)."""
+    return record["system_tokens_per_s"] / (1 + record["mean_accepted"])
 
 
 def scale_mode(mode: str, gamma: int, max_batch: int) -> tuple[int, int, bool] | None:
