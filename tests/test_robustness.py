@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from conftest import PROMPT, RunningHub
+from conftest import PROMPT, RawTarget, RunningHub, serving_hub
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_hub import _greedy_reference
@@ -157,6 +157,36 @@ async def test_a_round_that_raises_ends_its_sessions_and_the_hub_drafts_on(
     assert engine.thread.is_alive() and engine.stats.rounds_failed == 1
     reply = await target.ask(Draft(tag, 1, 2, np.array([9], dtype=np.int32)))
     assert isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_SESSION  # it ended
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_hub_whose_drafting_thread_died_stops_and_tells_its_targets(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel, monkeypatch
+) -> None:
+    """Catches a hub that keeps answering pings with no drafting thread (every target then
+    waits out its deadline each round): it stops within a heartbeat, tells its targets
+    SHUTTING_DOWN and marks itself failed (``python -m starsd.hub`` exits 1)."""
+    config = hub_module.HubConfig(
+        model=str(llama_pair[1]), bind="tcp://127.0.0.1:*", stats_interval=3600, heartbeat_s=0.2
+    )
+    async with serving_hub(config) as running:
+        hub = running.hub
+        target = RawTarget(running.endpoint)
+        try:
+            await target.hello(llama_target)
+            tag, _ = await target.open()
+
+            def dies(jobs):
+                raise SystemExit("not an Exception: ends the thread")
+
+            monkeypatch.setattr(hub.engine.proposer, "propose", dies)
+            await target.send(Draft(tag, 1, 2, np.array([9], dtype=np.int32)))
+            reply = await target.recv(timeout=10)
+            assert isinstance(reply, Error) and reply.code == ErrorCode.SHUTTING_DOWN
+            await asyncio.wait_for(running.task, 10)
+            assert hub.failed and not hub.engine.thread.is_alive()
+        finally:
+            target.close()
 
 
 def _raises_once(propose):

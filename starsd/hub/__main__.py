@@ -224,7 +224,8 @@ async def run(config: HubConfig, hub: Hub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m starsd.hub``; 0 after a clean drain, 2 on a setup error."""
+    """Entry point of ``python -m starsd.hub``; 0 after a clean drain, 1 if it stopped because
+    it could no longer draft, 2 on a setup error."""
     logging.basicConfig(
         level=os.environ.get("STARSD_LOG", "INFO"),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     except (auth.InsecureEndpointError, keys.KeyFileError, router.BindError) as exc:
         log.error("%s", exc)
         return 2
-    return 0
+    return 1 if hub.failed else 0
 
 
 if __name__ == "__main__":

@@ -140,6 +140,7 @@ class Hub:
         )
         self.router: router.Router | None = None  # set while serving
         self.stopping = asyncio.Event()
+        self.failed = False  # the drafting thread stopped while serving (exit non-zero)
         self.allow: auth.AllowList | None = None
         self.endpoint = ""
 
@@ -230,7 +231,8 @@ class Hub:
                 self.config.drain_timeout_s,
             )
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self._in_flight() and time.monotonic() < deadline:
+        drafting = self.engine.thread.is_alive
+        while self._in_flight() and time.monotonic() < deadline and drafting():
             await asyncio.sleep(0.01)
         dropped = self.q_in.clear()  # the timeout holds: a backlog is refused, not drafted
         if dropped:
@@ -294,6 +296,17 @@ class Hub:
             self.expire_leases()
             with self.lock:
                 self.budget.prune()
+            if not self.engine.thread.is_alive():
+                self._fail("the drafting thread has stopped")
+                return
+
+    def _fail(self, why: str) -> None:
+        """Stop a hub that can no longer draft: answering pings while drafting nothing would
+        keep its targets waiting out a deadline every round; stopped, they are told
+        SHUTTING_DOWN and move to another hub or decode alone, and a supervisor restarts it."""
+        log.error("%s; stopping the hub", why)
+        self.failed = True
+        self.stop()
 
     def expire_leases(self) -> int:
         """Forget every target silent for longer than its lease; returns how many."""
