@@ -150,6 +150,7 @@ check-gpu: $(READY)
 	$(BIN)/python -m scripts.bench.check_gpu_backends --out results/gpu-backends.json
 	$(BIN)/python -m scripts.bench.check_gpu_profile
 	$(BIN)/python -m scripts.bench.check_gpu_pair
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m gpu -q -rs tests
 
 bench-lan: $(READY)
 	$(BIN)/python -m scripts.bench.run --suite lan $(BENCH_ARGS)

@@ -335,6 +335,32 @@ def test_check_gpu_pair_reads_decode_rates_and_flags_a_different_output() -> Non
     assert not check_gpu_pair.summary({"standalone": [alone], "hub": [hub, other]})["identical"]
 
 
+def test_check_gpu_pair_keeps_the_hubs_summary_and_errors() -> None:
+    """Catches the pair check dropping what explains a shortfall on a borrowed machine: the
+    hub's closing summary (only the lines after "hub stopped", not the periodic ones) and every
+    ERROR line (a drafting round that raised), but not an INFO line quoting an ERROR reply."""
+    from scripts.bench import check_gpu_pair
+
+    log = "\n".join(
+        [
+            "d t0 starsd.hub INFO hub: targets=1 jobs=2 (periodic)",
+            "d t1 starsd.hub ERROR drafting a batch of 1 failed; ending its sessions",
+            "Traceback (most recent call last):",
+            "d t2 starsd.hub INFO -> 3a09b00091 ERROR SHUTTING_DOWN: hub is stopping",
+            "d t3 starsd.hub INFO hub stopped after 9.0 s; summary:",
+            "d t4 starsd.hub INFO hub: targets=1 jobs=62 failed=1",
+            "d t5 starsd.hub INFO target ab/starsd-target: sessions=6 rounds=67",
+        ]
+    )
+    report = check_gpu_pair.hub_report(log)
+    assert report["hub_summary"] == [
+        "hub: targets=1 jobs=62 failed=1",
+        "target ab/starsd-target: sessions=6 rounds=67",
+    ]
+    assert report["hub_errors"] == [log.splitlines()[1]]
+    assert check_gpu_pair.hub_report("no summary") == {"hub_summary": [], "hub_errors": []}
+
+
 def test_check_gpu_pair_skips_cleanly_without_cuda(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -346,3 +372,18 @@ def test_check_gpu_pair_skips_cleanly_without_cuda(
     assert check_gpu_pair.main(["--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == check_gpu_pair.SKIP_LINE
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_check_gpu_backends_without_cuda_keeps_the_gpu_report(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches make check-gpu on a CPU machine replacing the committed report of the last GPU
+    machine with a CPU-only one (every provider skipped)."""
+    from scripts.bench import check_gpu_backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "backends.json"
+    args = ["--out", str(out), "--export", str(tmp_path / "export"), "--prompts", "1"]
+    assert check_gpu_backends.main([*args, "--max-new-tokens", "4"]) == 0
+    assert not out.exists() and "not written" in capsys.readouterr().out

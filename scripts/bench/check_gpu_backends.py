@@ -12,6 +12,8 @@ whether greedy tokens equal the torch CPU reference token for token (and the fir
 that differs), the largest logit difference on the export's probe, start-up time (TensorRT:
 engine build on a cold cache, then again on the warm cache), and greedy tokens/s at batch 1 and
 with every prompt in one ragged batch. Exit status 1 if any provider that ran was not exact.
+``--out`` is written only where CUDA is (make check-gpu on a CPU machine keeps the committed
+report of the last GPU machine).
 """
 
 from __future__ import annotations
@@ -125,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         report.setdefault(f"onnxruntime-{name}", {"skipped": "not in this onnxruntime build"})
     text = json.dumps(report, indent=1)
     print(text)
-    if args.out:
+    if args.out and report["gpu"] is None:  # a CPU machine's run must not replace a GPU's record
+        print(f"check-gpu: no CUDA device: {args.out} not written", flush=True)
+    elif args.out:
         Path(args.out).write_text(text + "\n")
     ran = [v for v in report.values() if isinstance(v, dict) and "exact" in v]
     return 0 if all(v["exact"] for v in ran) else 1

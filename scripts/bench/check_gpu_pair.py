@@ -9,8 +9,10 @@ Starts ``python -m starsd.hub`` on ``--device`` and runs ``python -m edge.target
 over the first ``--prompts`` of the benchmarks' prompts. Prints and writes each mode's decode
 tokens/s (tokens over the sequences' own decode seconds, model loading left out), the ratio,
 the hub's mean accepted drafts per round, and whether every greedy output through the hub
-equals the target alone token for token. The committed toy pair is the default: its weights
-travel with the checkout. Without CUDA it prints one line saying so and exits 0.
+equals the target alone token for token, with the hub's closing summary lines and any ERROR
+line it logged (exit 1 on either a differing output or a hub error). The committed toy pair is
+the default: its weights travel with the checkout. Without CUDA it prints one line saying so and
+exits 0.
 """
 
 from __future__ import annotations
@@ -96,7 +98,27 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                 print(f"check-gpu: {mode} {runs[mode][-1]['tokens_per_s']:.1f} tok/s", flush=True)
     finally:
         procs.stop_all()
-    return summary(runs)
+    return {**summary(runs), **hub_report((scratch / "hub.log").read_text(errors="replace"))}
+
+
+def hub_report(log: str) -> dict[str, Any]:
+    """What the hub's log says of the run: its closing summary lines (S(B), queue wait,
+    pre-draft hits, failed rounds) and every ERROR line, so a shortfall on a machine that is
+    gone afterwards can still be read."""
+    lines = log.splitlines()
+    stopped = max((i for i, line in enumerate(lines) if "hub stopped after" in line), default=None)
+    closing = lines[stopped + 1 :] if stopped is not None else []
+    return {
+        "hub_summary": [line.split(" INFO ", 1)[1] for line in closing if _level(line) == "INFO"],
+        "hub_errors": [line for line in lines if _level(line) == "ERROR"],
+    }
+
+
+def _level(line: str) -> str | None:
+    """A log line's level ("%(asctime)s %(name)s %(levelname)s %(message)s"), None for a line
+    of another kind (a traceback's)."""
+    fields = line.split(" ", 4)
+    return fields[3] if len(fields) > 3 else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{rates['standalone']:.1f} tok/s ({result['hub_over_standalone']:.2f}x), "
         f"mean accepted {result['mean_accepted']:.2f}, identical {result['identical']}"
     )
-    return 0 if result["identical"] else 1
+    for line in result["hub_errors"]:
+        print(f"check-gpu: hub: {line}")
+    return 0 if result["identical"] and not result["hub_errors"] else 1
 
 
 if __name__ == "__main__":
