@@ -11,8 +11,12 @@ from typing import TYPE_CHECKING
 from starsd import limits, models, protocol
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import Proposer
+from starsd.hub.pacing import Pacer, TreePlan
+from starsd.hub.policy import GammaPolicy, PolicyParams
 from starsd.hub.server import Hub
+from starsd.hub.sessions import Limits
 from starsd.protocol import Welcome
+from starsd.tree_shapes import TreeShape, tree_ladder
 
 if TYPE_CHECKING:
     from starsd.hub.predraft import Predrafter
@@ -42,7 +46,35 @@ def build_hub(config: HubConfig) -> Hub:
     predrafter = predrafter_for(proposer, config)
     if predrafter is not None:  # its branches go to the sessions that ask for them
         welcome = dataclasses.replace(welcome, push=min(predrafter.branches, limits.MAX_PUSH))
-    return Hub(config, proposer, welcome, predrafter)
+    table_limits = limits_of(config, welcome, proposer.max_positions)
+    return Hub(config, proposer, welcome, table_limits, pacer_for(config, proposer), predrafter)
+
+
+def limits_of(config: HubConfig, welcome: Welcome, max_positions: int | None) -> Limits:
+    """The session table's limits from the hub's configuration and what it announces."""
+    return Limits(
+        max_sessions=config.max_sessions,
+        max_sessions_per_target=config.max_sessions_per_target,
+        default_gamma=config.default_gamma,
+        max_gamma=config.max_gamma,
+        lease_s=protocol.LIVENESS_INTERVALS * config.heartbeat_s,
+        vocab_size=welcome.vocab_size,
+        max_positions=max_positions,
+        feature_width=welcome.feature_width,
+        feature_dtype=welcome.feature_dtype,
+        auto_gamma=config.auto_gamma,
+    )
+
+
+def pacer_for(config: HubConfig, proposer: Proposer) -> Pacer:
+    """The drafting thread's ``--gamma auto`` (which leaves sessions with a fixed gamma, and
+    every session under --gamma N, as they are)."""
+    params = PolicyParams(max_gamma=config.max_gamma, start_gamma=max(config.default_gamma, 1))
+    trees = None
+    if proposer.trees and config.tree_budget:
+        largest = TreeShape(config.tree_width, config.tree_depth, config.tree_budget)
+        trees = TreePlan(config.tree, tree_ladder(largest))
+    return Pacer(GammaPolicy(params), proposer.max_positions, trees=trees)
 
 
 def predrafter_for(proposer: Proposer, config: HubConfig) -> Predrafter | None:

@@ -34,8 +34,7 @@ from starsd.hub import auth, gate, router
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.engine import DraftingEngine
-from starsd.hub.pacing import Pacer, TreePlan
-from starsd.hub.policy import GammaPolicy, PolicyParams
+from starsd.hub.pacing import Pacer
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import Limits, Peer, Refused, Session, SessionTable
 from starsd.logsafe import Throttle, printable
@@ -56,7 +55,6 @@ from starsd.protocol import (
     Welcome,
 )
 from starsd.stats import HubStats
-from starsd.tree_shapes import TreeShape, tree_ladder
 
 if TYPE_CHECKING:  # built by build.py for draft-LLM hubs; this module only passes it on
     from starsd.hub.predraft import Predrafter
@@ -76,33 +74,6 @@ class LoadReport(TypedDict):
     busy: float
 
 
-def limits_of(config: HubConfig, welcome: Welcome, max_positions: int | None) -> Limits:
-    """The session table's limits from the hub's configuration and what it announces."""
-    return Limits(
-        max_sessions=config.max_sessions,
-        max_sessions_per_target=config.max_sessions_per_target,
-        default_gamma=config.default_gamma,
-        max_gamma=config.max_gamma,
-        lease_s=protocol.LIVENESS_INTERVALS * config.heartbeat_s,
-        vocab_size=welcome.vocab_size,
-        max_positions=max_positions,
-        feature_width=welcome.feature_width,
-        feature_dtype=welcome.feature_dtype,
-        auto_gamma=config.auto_gamma,
-    )
-
-
-def pacer_for(config: HubConfig, proposer: Proposer) -> Pacer:
-    """The drafting thread's ``--gamma auto`` (which leaves sessions with a fixed gamma, and
-    every session under --gamma N, as they are)."""
-    params = PolicyParams(max_gamma=config.max_gamma, start_gamma=max(config.default_gamma, 1))
-    trees = None
-    if proposer.trees and config.tree_budget:
-        largest = TreeShape(config.tree_width, config.tree_depth, config.tree_budget)
-        trees = TreePlan(config.tree, tree_ladder(largest))
-    return Pacer(GammaPolicy(params), proposer.max_positions, trees=trees)
-
-
 class Hub:
     """The event loop's side of the hub; see the module docstring."""
 
@@ -111,6 +82,8 @@ class Hub:
         config: HubConfig,
         proposer: Proposer,
         welcome: Welcome,
+        table_limits: Limits,
+        pacer: Pacer,
         predrafter: Predrafter | None = None,
     ) -> None:
         self.config = config
@@ -118,14 +91,14 @@ class Hub:
         self.welcome = welcome
         self.epoch = welcome.epoch
         self.lock = threading.Lock()  # guards table and stats: event loop vs drafting thread
-        self.table = SessionTable(limits_of(config, welcome, proposer.max_positions))
+        self.table = SessionTable(table_limits)
         self.stats = HubStats()
         self.budget = PeerBudget(
             Rates(config.peer_budget, config.peer_budget, enabled=config.peer_budget > 0)
         )
         self.quiet = Throttle()  # log lines a peer can trigger at will: one per 10 s per kind
         self.q_in: FairQueue[DraftJob] = FairQueue()
-        self.pacer = pacer_for(config, proposer)
+        self.pacer = pacer  # the drafting thread's --gamma auto
         self.engine = DraftingEngine(
             proposer,
             self.pacer,
