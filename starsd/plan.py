@@ -35,9 +35,11 @@ per-target_k.
 Sizing, per kind, scanning N = 1, 2, ... with the gamma the hub would use at each N: N_full, the
 first N at which the hub is fully loaded (from there its throughput is fixed and more targets only
 queue), and the break-even N, the last N before the policy turns speculation off (gamma 0) or a
-target falls below its speed alone. A hub is worth its targets up to N_hub = min(N_full,
-break-even) of every kind; the fleet of C targets needs ceil(C / N_hub) hubs (0 when speculation
-does not pay even for one target). Pure: no torch.
+target falls below its speed alone; with ``hub_rounds_per_s`` (what the hub's message path
+carries, measured by ``scripts/bench/hub_flood.py``) also the message bound, the last N whose
+rounds a second stay within it. A hub is worth its targets up to N_hub = min(N_full,
+break-even, message bound) of every kind; the fleet of C targets needs ceil(C / N_hub) hubs
+(0 when speculation does not pay even for one target). Pure: no torch.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class Plan:
     notes: tuple[str, ...] = ()
     trees: tuple[TreeShape, ...] = ()  # the hub's tree sizes (--tree auto); (): chains only
     sibling_alpha: float = analytic.SIBLING_ALPHA
+    # what the hub's message path carries (rounds a second, all targets together: its Python
+    # threads' CPU per round, serialised by one GIL; scripts/bench/hub_flood.py); None: unbounded
+    hub_rounds_per_s: float | None = None
 
     @property
     def fleet(self) -> int:
@@ -306,12 +311,15 @@ def sizing(plan: Plan, limit: int = SIZING_LIMIT) -> dict[str, Any]:
     per_kind = {k.profile.name: kind_sizing(plan, k, limit) for k in plan.kinds}
     fulls = [s["n_full"] for s in per_kind.values() if s["n_full"] is not None]
     n_even = min(s["break_even_n"] for s in per_kind.values())
-    n_hub = min([*fulls, n_even])
+    bounds = [s["message_bound_n"] for s in per_kind.values() if s["message_bound_n"] is not None]
+    n_hub = min([*fulls, n_even, *bounds])
     return {
         "kinds": per_kind,
         "fleet": plan.fleet,
         "n_full": min(fulls) if fulls else None,
         "break_even_n": n_even,
+        "hub_rounds_per_s": plan.hub_rounds_per_s,
+        "message_bound_n": min(bounds) if bounds else None,
         "targets_per_hub": n_hub,
         "hubs": math.ceil(plan.fleet / n_hub) if n_hub else 0,
         "scan_limit": limit,
@@ -322,7 +330,7 @@ def kind_sizing(plan: Plan, kind: Kind, limit: int = SIZING_LIMIT) -> dict[str, 
     """Scan N = 1.. with the gamma the hub would use: N_full, the first N the hub is fully
     loaded (None: not up to ``limit``, or speculation is off before), and the break-even N,
     the last N before the policy decodes alone or a target falls below its speed alone."""
-    n_full = n_even = None
+    n_full = n_even = n_message = None
     for n in range(1, limit + 1):
         gamma, p = choose(plan, kind, n)
         if gamma == 0 or p.per_target_tokens_per_s < kind.alone_tokens_per_s:
@@ -330,12 +338,21 @@ def kind_sizing(plan: Plan, kind: Kind, limit: int = SIZING_LIMIT) -> dict[str, 
             break
         if n_full is None and p.regime == "fully-loaded":
             n_full = n
+        if n_message is None and _over_message_path(plan, n, p):
+            n_message = n - 1
     return {
         "gamma_at_1": choose(plan, kind, 1)[0],
         "n_full": n_full,
         "break_even_n": limit if n_even is None else n_even,
+        "message_bound_n": n_message,
         "alone_tokens_per_s": kind.alone_tokens_per_s,
     }
+
+
+def _over_message_path(plan: Plan, n: int, p: analytic.Prediction) -> bool:
+    """Whether ``n`` targets, one round per iteration each, ask the hub for more rounds a
+    second than its message path carries."""
+    return plan.hub_rounds_per_s is not None and n / p.iteration_s > plan.hub_rounds_per_s
 
 
 def as_json(plan: Plan, ns: Sequence[int]) -> dict[str, Any]:

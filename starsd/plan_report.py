@@ -31,6 +31,7 @@ class PlanRequest:
     tree: str = "auto"  # "auto": the hub's tree sizes are candidates; "off": chains only
     tree_shape: TreeShape = planning.HUB_TREE  # the hub's largest tree (--tree-width/-depth/-nodes)
     sibling_alpha: float = analytic.SIBLING_ALPHA
+    hub_rounds_per_s: float | None = None  # the hub's message path (None: unbounded)
 
 
 def target_spec(text: str) -> tuple[str, int]:
@@ -64,8 +65,19 @@ def build_plan(req: PlanRequest) -> planning.Plan:
     trees = tree_ladder(req.tree_shape) if req.tree == "auto" else ()
     if not 0.0 <= req.sibling_alpha <= 1.0:
         raise ProfileError(f"--sibling-alpha: {req.sibling_alpha} is not in [0, 1]")
+    rounds = req.hub_rounds_per_s
+    if rounds is not None and not 0.0 < rounds < float("inf"):
+        raise ProfileError(f"--hub-rounds-per-s: {rounds} is not a rate > 0")
     return planning.Plan(
-        draft, kinds, req.gamma, max_gamma, link_note, tuple(notes), trees, req.sibling_alpha
+        draft,
+        kinds,
+        req.gamma,
+        max_gamma,
+        link_note,
+        tuple(notes),
+        trees,
+        req.sibling_alpha,
+        rounds,
     )
 
 
@@ -161,10 +173,17 @@ def sizing_lines(p: planning.Plan) -> list[str]:
         return [*lines, f"fleet of {s['fleet']}: no hub (speculation does not pay here)"]
     lines.append(
         f"fleet of {s['fleet']}: hubs needed = ceil({s['fleet']} / N_hub {s['targets_per_hub']}) "
-        f"= {s['hubs']} (N_hub = min(N_full, break-even N) over the kinds: more targets per hub "
-        "would queue at it or run slower than alone)"
+        f"= {s['hubs']} (N_hub = min(N_full, break-even N{_bound_term(s)}) over the kinds: more "
+        "targets per hub would queue at it or run slower than alone)"
     )
     return lines
+
+
+def _bound_term(s: dict[str, Any]) -> str:
+    if s["hub_rounds_per_s"] is None:
+        return ""
+    bound = s["message_bound_n"] if s["message_bound_n"] is not None else "none"
+    return f", message bound {bound} at {s['hub_rounds_per_s']:.0f} rounds/s"
 
 
 def _kind_line(name: str, k: dict[str, Any], limit: int) -> str:

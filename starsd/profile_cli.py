@@ -127,6 +127,12 @@ def _plan_parser(commands: Any) -> None:
         help="a tree node's later children: the chance each holds the token the ones before "
         "missed (default fitted to the real pair's trees)",
     )
+    p.add_argument(
+        "--hub-rounds-per-s",
+        type=float,
+        help="rounds a second the hub's message path carries (python -m scripts.bench.hub_flood "
+        "on the hub's machine); N_hub then also stays within it (default: unbounded)",
+    )
     p.add_argument("--draft-model", help="check the draft profile was made of this model")
     p.add_argument("--plot", help="write the curves to this PNG")
     p.add_argument("--json", help="write the plan to this JSON")
@@ -241,6 +247,7 @@ def _plan(ns: argparse.Namespace) -> int:
         tree=ns.tree,
         tree_shape=_tree_shape(ns),
         sibling_alpha=ns.sibling_alpha,
+        hub_rounds_per_s=ns.hub_rounds_per_s,
     )
     p = plan_report.build_plan(req)
     ns_list = planning.sweep(ns.max_n)

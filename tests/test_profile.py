@@ -287,6 +287,27 @@ def test_sizing_at_a_fixed_gamma_is_the_saturation_point(tmp_path: Path) -> None
     assert s["hubs"] == math.ceil(10 / min(s["n_full"], s["break_even_n"]))
 
 
+def test_the_hubs_message_path_bounds_the_targets_a_hub_takes(tmp_path: Path) -> None:
+    """With --hub-rounds-per-s, N_hub is also the last N whose rounds a second (N over the
+    iteration) stay within it (catches the bound ignored, off by one, or applied without it);
+    a rate that is not > 0 is refused."""
+    plan = make_plan(tmp_path, gamma=2, alpha=0.9, max_batch=8)
+    free = planning.sizing(plan)
+    assert free["message_bound_n"] is None and free["hub_rounds_per_s"] is None
+    at = analytic.at_gamma(plan.kinds[0].inputs, 2)
+    rate2, rate3 = (n / analytic.predict(at, n).iteration_s for n in (2, 3))
+    cap = (rate2 + rate3) / 2  # 2 targets fit, 3 do not
+    bound = planning.sizing(dataclasses.replace(plan, hub_rounds_per_s=cap))
+    assert bound["message_bound_n"] == 2 and bound["targets_per_hub"] == 2
+    assert bound["hubs"] == math.ceil(plan.fleet / 2)
+    req = plan_report.PlanRequest(plan.draft.path, (plan.kinds[0].profile.path,))
+    with pytest.raises(ProfileError, match="hub-rounds-per-s"):
+        plan_report.build_plan(dataclasses.replace(req, hub_rounds_per_s=0.0))
+    assert "message bound 2" in "\n".join(
+        plan_report.sizing_lines(dataclasses.replace(plan, hub_rounds_per_s=cap))
+    )
+
+
 def test_mixed_fleet(tmp_path: Path) -> None:
     """Two target kinds share one hub: each kind's row is its own analytic prediction at N, the
     fleet row sums the kinds by their share, and N_hub is the tightest kind's (catches a mixed
