@@ -5,6 +5,7 @@
     starsd profile link --hub tcp://host:port --out L.json
     starsd profile check FILE [--model DIR]
     starsd plan --draft D.json --target T.json[:COUNT] [...] [--link L.json | --link-ms X]
+        [--hub-rounds-per-s R]
 
 The measuring code is imported inside each subcommand (torch only where a model is timed), so
 ``starsd keys`` and ``starsd plan`` stay light. See docs/planning.md.
