@@ -3,6 +3,7 @@ target accepts, the model's tree round, and the scale suite's tree comparison.""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import statistics
@@ -24,7 +25,7 @@ from starsd import hub as hub_module
 from starsd.hub.drafters.base import DraftJob, new_chain_state
 from starsd.hub.drafters.emulated import EmulatedProposer
 from starsd.hub.drafters.tree_draft import GrownTree, TreeBatch
-from starsd.protocol import SamplingParams
+from starsd.protocol import Proposal, SamplingParams
 from starsd.service import ServiceCurve
 from starsd.tree_shapes import CHOICE_WEIGHT, TreeShape, ranked_tree
 
@@ -239,3 +240,14 @@ async def test_emulated_targets_verify_the_trees_an_emulated_hub_drafts(
         assert report["tokens_per_tree_round"] > 1.5
     else:
         assert report["tree_rounds"] == 0 and report["mean_gamma"] > 1
+
+
+async def test_the_emulated_proposer_refuses_to_sleep_on_an_event_loop() -> None:
+    """Catches the emulated drafter's sleep run on an event loop (a hub that drafted there
+    would stall every target's messages for each batch's drafting time)."""
+    proposer = EmulatedProposer(CURVE)
+    job = _job(new_chain_state([1, 2, 3], SamplingParams(), 4))
+    with pytest.raises(RuntimeError, match="worker thread"):
+        proposer.propose([job])
+    (result,) = await asyncio.to_thread(proposer.propose, [job])
+    assert isinstance(result, Proposal) and len(result.tokens) == 4

@@ -29,6 +29,8 @@ from starsd.analytic import (
 )
 from starsd.service import ServiceCurve
 
+# ---------------------------------------------------------------------------------- tables
+
 
 def _verify_words(inputs: ModelInputs) -> str:
     if not inputs.verify_per_token_s:
@@ -55,9 +57,6 @@ def auto_table(inputs: ModelInputs, ns: list[int], max_gamma: int = 16) -> str:
             f"{fixed.system_tokens_per_s:.1f} |"
         )
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------- JSON
 
 
 def curve_sizes(inputs: ModelInputs) -> list[int]:

@@ -119,11 +119,10 @@ class DraftingEngine:
         may be half-advanced, and so may any pre-drafted branch)."""
         if self.predrafter is not None:
             self.predrafter.drop_all()
-        started = self.clock()
+        started, problem = self.clock(), "drafting failed on the hub; re-open the session"
         with self.lock:
             self.stats.rounds_failed += len(batch)
             for job in batch:
-                problem = "drafting failed on the hub; re-open the session"
                 error = Error(ErrorCode.INTERNAL, problem, tag=job.tag, seq=job.seq)
                 self._deliver_one(job, error, started, hit=False)
 

@@ -19,6 +19,7 @@ separate forwards: S(B_chains, g) plus, per tree shape, a(B) + (depth - 1) b(B *
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -49,6 +50,7 @@ class EmulatedProposer(NullProposer):
 
     def propose(self, jobs: list[DraftJob[ChainState]]) -> list[Proposal | Error]:
         """Null proposals, returned once the batch's drafting time (:meth:`cost`) has passed."""
+        _refuse_event_loop()
         began = time.perf_counter()
         results = super().propose(jobs)
         drafted = [
@@ -57,8 +59,8 @@ class EmulatedProposer(NullProposer):
             if isinstance(r, Proposal) and len(r.tokens)
         ]
         wait = self.cost(drafted) - (time.perf_counter() - began)
-        if wait > 0:  # propose runs in the hub's drafting thread, never on the event loop:
-            time.sleep(wait)  # the sleep stands for the forward it emulates, taking no CPU
+        if wait > 0:
+            time.sleep(wait)  # the forward it stands for blocks its thread too, taking no CPU
         return results
 
     def cost(self, drafted: list[ChainState]) -> float:
@@ -83,3 +85,14 @@ class EmulatedProposer(NullProposer):
         state.proposed, state.proposed_parents = list(tokens), list(parents)
         proposal = make_proposal(job, state.proposed, [], state.params)
         return dataclasses.replace(proposal, parents=np.asarray(parents, dtype=np.int32))
+
+
+def _refuse_event_loop() -> None:
+    """The sleep blocks its thread, like the forward it emulates: it belongs in the hub's
+    drafting thread, and on an event loop it would stall every target's messages, so a call
+    from one is a bug."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError("EmulatedProposer.propose blocks: call it from a worker thread")
