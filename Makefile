@@ -108,7 +108,7 @@ models: $(STAMP)
 
 .PHONY: real-draft
 real-draft: $(READY)
-	$(BIN)/python -m scripts.train.real_data
+	$(BIN)/python -m scripts.train.real_data --prompts 480
 	$(BIN)/python -m scripts.train.real_draft
 
 eval-models: $(STAMP)
@@ -122,10 +122,10 @@ eagle-head: $(STAMP)
 eagle3-head: $(STAMP)
 	$(BIN)/python -m scripts.train.train_eagle3_head
 
-# The self-distillation data is made once (and shared with `make real-draft`).
+# The self-distillation data is made once (`make real-draft` reads its first 480 conversations).
 .PHONY: real-eagle-heads
 real-eagle-heads: $(READY)
-	@test -f .cache/real-draft/data.pt || $(BIN)/python -m scripts.train.real_data
+	$(BIN)/python -m scripts.train.real_data --prompts 1920
 	$(BIN)/python -m scripts.train.train_eagle3_head --recipe real
 
 bench: $(READY)

@@ -6,6 +6,10 @@ draft is distilled on). Generation is batched (left padding) through transformer
 deterministic (greedy, float32), and shows one progress line per batch. Run::
 
     .venv/bin/python -m scripts.train.real_data [--prompts 480] [--max-new-tokens 96]
+
+A data set already on disk that was made the same way with at least ``--prompts`` conversations
+is kept: the training prompts of a shorter set are a prefix of a longer one's, so the draft LLM
+(480 conversations) and the EAGLE heads (1920) share one file.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,15 +110,35 @@ def generate(config: DataConfig) -> dict[str, list[dict[str, torch.Tensor]]]:
     return data
 
 
+def recipe(config: DataConfig) -> dict[str, int]:
+    """What decides the records' content besides how many there are."""
+    return {
+        "held_out": config.held_out,
+        "max_new_tokens": config.max_new_tokens,
+        "top_k": config.top_k,
+    }
+
+
+def covered(config: DataConfig) -> bool:
+    """Whether ``config.out`` already holds at least ``config.prompts`` records of this recipe."""
+    if not config.out.exists():
+        return False
+    data = torch.load(config.out, weights_only=True)
+    return data.get("recipe") == recipe(config) and len(data["train"]) >= config.prompts
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Generate and save the data set."""
+    """Generate and save the data set (unless one that covers it is there)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--prompts", type=int, default=DataConfig.prompts)
     parser.add_argument("--max-new-tokens", type=int, default=DataConfig.max_new_tokens)
     parser.add_argument("--out", type=Path, default=DATA_PATH)
     args = parser.parse_args(argv)
     config = DataConfig(prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out)
-    data = generate(config)
+    if covered(config):
+        print(f"{config.out} already holds {config.prompts} or more conversations", flush=True)
+        return
+    data: dict[str, Any] = {**generate(config), "recipe": recipe(config)}
     config.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, config.out)
     print(f"wrote {config.out}", flush=True)

@@ -51,6 +51,7 @@ class DraftConfig:
     seed: int = 0
     threads: int = 2
     gamma: int = 5  # positions acceptance is reported for
+    conversations: int = 480  # the data set's first training conversations
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     torch.set_num_threads(config.threads)
     data = torch.load(DATA_PATH)
+    data["train"] = data["train"][: config.conversations]
     target = models.load_causal_lm(TARGET_DIR, lean=False)
     vocab = choose_vocab(data["train"], target, config.vocab)
     print(

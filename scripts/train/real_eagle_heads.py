@@ -66,7 +66,7 @@ class RealHeadsConfig:
     eagle1_dir: Path = Path("models/smollm2-eagle")
     data_path: Path = real_data.DATA_PATH
     report_path: Path = Path("results/train-real-eagle-heads.json")
-    records: int = 0  # training records used; 0: all (a smoke run takes a few)
+    records: int = 1920  # the data set's first training conversations (a smoke run takes a few)
     steps: int = 800  # ~15 min for the EAGLE-3 head on one thread, ~5 for EAGLE-1
     batch_size: int = 8
     lr: float = 1e-3
@@ -93,10 +93,15 @@ class TeacherData:
 
 
 def load_records(config: RealHeadsConfig) -> tuple[list[Record], list[Record]]:
-    """(training, held-out) records of ``real_data``; ``records`` > 0 keeps that many."""
+    """(training, held-out) records of ``real_data``: its first ``records`` conversations."""
     data = torch.load(config.data_path, weights_only=True)
-    train_set = data["train"][: config.records] if config.records else data["train"]
-    return train_set, data["held_out"]
+    if len(data["train"]) < config.records:
+        raise SystemExit(
+            f"{config.data_path} holds {len(data['train'])} training conversations, "
+            f"{config.records} asked for: python -m scripts.train.real_data "
+            f"--prompts {config.records}"
+        )
+    return data["train"][: config.records], data["held_out"]
 
 
 def sequences(records: list[Record], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
