@@ -39,6 +39,7 @@ from edge.handshake import (
     HubError,
     HubLoad,
     HubUnavailable,
+    LoadView,
     TargetInfo,
     checked_welcome,
     push_for,
@@ -108,31 +109,34 @@ class HubClient:
         self._hello: asyncio.Future[protocol.Message] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stats: dict[int, asyncio.Future[Stats]] = {}
-        # Placement (edge.hubs): the hub's last load report, sessions placed here by this
-        # target in all, and how many of them that report (or the PING it answered) saw.
-        self.load = HubLoad()
-        self.placed = 0
-        self._placed_reported = 0
-        self._placed_at_ping = 0
+        self.placement = LoadView()  # what edge.hubs places sessions by
+        self._reported = asyncio.Event()  # set by every load report (fresh_load waits on it)
         self._full_until = 0.0  # RESOURCE_EXHAUSTED: place no session here until then
         # Defences against the hub (module docstring): the read budget, what each session may
-        # still be sent (tag -> messages), the PING we wait a PONG for, strikes.
+        # still be sent (tag -> messages), strikes (the PING we wait a PONG for: placement).
         self._budget = PeerBudget(HUB_RATES)
         self._credit: dict[bytes, int] = {}
-        self._ping_nonce: int | None = None
         self._strikes = 0
         self._set_aside_until = 0.0
         self._throttle = Throttle()
         self.dropped = 0  # messages from this hub dropped (over budget, unsolicited, too many)
 
-    @property
-    def placed_since_report(self) -> int:
-        """Sessions placed on this hub that its last load report does not count yet."""
-        return self.placed - self._placed_reported
+    async def fresh_load(self, max_age_s: float, wait_s: float) -> None:
+        """Ask the hub for its load (PING) unless its last report is at most ``max_age_s`` old,
+        and wait up to ``wait_s`` for the PONG; a hub that answers later is judged on its last
+        report now, and the PONG still updates it when it comes."""
+        view = self.placement
+        if not self.up or time.monotonic() - view.reported_at <= max_age_s:
+            return
+        self._reported.clear()
+        self._ping()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._reported.wait(), wait_s)
 
-    def _reported(self, load: HubLoad, placed_seen: int) -> None:
-        self.load = load
-        self._placed_reported = placed_seen
+    def _ping(self) -> None:
+        nonce = self.placement.ping(next(self._refs), time.monotonic(), self.heartbeat_s)
+        if nonce is not None:
+            self._send_soon(Ping(nonce))
 
     def mark_full(self) -> None:
         """The hub refused a session for lack of room: place none here for two heartbeats."""
@@ -216,7 +220,8 @@ class HubClient:
         self.generation += 1
         self.heartbeat_s = welcome.heartbeat_ms / 1000
         self.last_heard = time.monotonic()
-        self._reported(HubLoad.of(welcome), self.placed)
+        self.placement.welcomed(HubLoad.of(welcome), self.last_heard)
+        self._reported.set()
         log.info(
             "connected to hub %s at %s (draft %s, gamma %d, generation %d, %d sessions)",
             welcome.epoch.hex(),
@@ -224,7 +229,7 @@ class HubClient:
             printable(welcome.model),
             welcome.default_gamma,
             self.generation,
-            self.load.sessions,
+            self.placement.load.sessions,
         )
 
     def _check_welcome(self, welcome: Welcome) -> Welcome:
@@ -282,9 +287,7 @@ class HubClient:
             if self.up and silent > protocol.LIVENESS_INTERVALS * self.heartbeat_s:
                 self.mark_down(f"nothing heard for {silent:.1f} s")
             if self.up:
-                self._placed_at_ping = self.placed
-                self._ping_nonce = next(self._refs)
-                self._send_soon(Ping(self._ping_nonce))
+                self._ping()
             else:
                 await self._try_rejoin()
 
@@ -470,9 +473,9 @@ class HubClient:
                 return True
             case Ping(nonce=nonce):
                 self._send_soon(Pong(nonce))
-            case Pong(nonce=nonce) if nonce == self._ping_nonce:
-                self._ping_nonce = None
-                self._reported(HubLoad.of(msg), self._placed_at_ping)
+            case Pong(nonce=nonce) if nonce == self.placement.nonce:
+                self.placement.ponged(nonce, HubLoad.of(msg), time.monotonic())
+                self._reported.set()
                 return True
             case _:
                 self._drop(f"unexpected {type(msg).__name__}")

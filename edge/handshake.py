@@ -28,7 +28,6 @@ class HubUnavailable(HubError):
         super().__init__("UNAVAILABLE", message)
 
 
-MIN_SESSION_COST = 0.01  # busy fraction one session is assumed to cost an idle hub
 HEARTBEAT_MS_RANGE = (100, 60_000)  # a WELCOME's heartbeat is clamped into this
 
 
@@ -46,14 +45,54 @@ class HubLoad:
         busy = msg.busy if math.isfinite(msg.busy) else 1.0
         return cls(max(0, msg.sessions), max(0, msg.queue), min(1.0, max(0.0, busy)))
 
-    def spare(self, placed: int) -> float:
-        """Sessions the hub could still take before its drafting thread is busy all the time,
-        less its queued jobs and ``placed`` sessions not yet in this report (may be < 0)."""
-        # A hub without sessions has nothing to draft: a busy reading then is what its closed
-        # sessions left in the window, not load (else a hub freed a moment ago looks full).
-        busy = self.busy if self.sessions else 0.0
-        cost = max(busy / self.sessions if self.sessions else 0.0, MIN_SESSION_COST)
-        return (1.0 - busy) / cost - self.queue - placed
+    def holds(self, placed: int) -> int:
+        """Sessions the hub holds or soon will: its open sessions, its queued jobs (rounds it
+        is already late on) and ``placed`` sessions of ours not yet in this report."""
+        return self.sessions + self.queue + placed
+
+
+class LoadView:
+    """This target's view of one hub's load, which edge.hubs places sessions by: the hub's last
+    report (WELCOME or the PONG to our PING), the sessions placed there in all, how many of them
+    that report saw, and the PING awaiting its PONG. Owned by the event loop (pure: the client
+    sends and receives)."""
+
+    def __init__(self) -> None:
+        self.load = HubLoad()
+        self.placed = 0  # sessions this target placed on the hub (less those that failed to open)
+        self.reported_at = -math.inf  # time.monotonic() of the last report
+        self.nonce: int | None = None  # the PING awaiting its PONG
+        self._pinged_at = -math.inf
+        self._placed_at_ping = 0
+        self._placed_reported = 0
+
+    @property
+    def since_report(self) -> int:
+        """Sessions placed on the hub that its last report does not count yet."""
+        return self.placed - self._placed_reported
+
+    def welcomed(self, load: HubLoad, now: float) -> None:
+        """A WELCOME's load, which counts every session placed so far."""
+        self._take(load, self.placed, now)
+
+    def ping(self, nonce: int, now: float, reuse_s: float) -> int | None:
+        """The nonce of a PING to send now, or None while one sent less than ``reuse_s`` ago
+        still awaits its PONG (a second one would only make the first PONG look unsolicited)."""
+        if self.nonce is not None and now - self._pinged_at < reuse_s:
+            return None
+        self.nonce, self._pinged_at, self._placed_at_ping = nonce, now, self.placed
+        return nonce
+
+    def ponged(self, nonce: int, load: HubLoad, now: float) -> bool:
+        """Take a PONG's load if it answers our PING; False for any other PONG."""
+        if nonce != self.nonce:
+            return False
+        self.nonce = None
+        self._take(load, self._placed_at_ping, now)
+        return True
+
+    def _take(self, load: HubLoad, placed_seen: int, now: float) -> None:
+        self.load, self._placed_reported, self.reported_at = load, placed_seen, now
 
 
 @dataclass(frozen=True)

@@ -6,20 +6,33 @@ pool only chooses. A hub that refuses this target (another vocabulary or tokeniz
 not allow) is logged and left out; the others serve. A hub that cannot be reached yet stays in
 the pool: its client keeps saying HELLO and the hub gets sessions once it answers.
 
-Placement: a new session goes to the live hub with the most spare capacity, estimated from the
-load each hub reports in WELCOME and in every PONG (:class:`edge.handshake.HubLoad`): with
-``busy`` the drafting thread's recent busy fraction and ``sessions`` its open sessions, one
-session costs about ``busy / sessions`` of the hub, so the hub has room for
-``(1 - busy) / cost`` more, less the jobs already waiting in its queue and the sessions this
-target placed there since that report (placed but not yet counted: without them a burst of
-opens would all land on one hub). A hub without sessions counts as idle.
+Placement: a new session goes to the live hub that holds the fewest sessions (least
+connections, as HAProxy's ``leastconn``), counted from the load each hub reports in WELCOME and
+in every PONG (:class:`edge.handshake.HubLoad`): its open sessions and queued jobs, plus the
+sessions this target placed there since that report (placed but not yet counted: without them a
+burst of opens would all land on one hub). A slower hub keeps its sessions longer, so it holds
+more of them and gets fewer new ones: the rule balances unequal hubs without knowing their
+speeds. The hub's busy fraction is not used: it is a mean over a window of seconds, so it lags
+the session count, and a batched hub's cost grows far slower than its sessions (S(B)), so
+``busy / sessions`` as one session's price makes the busier hub look the roomier. Measured with
+two hubs, that price sent the whole fleet from one hub to the other every few seconds.
 
-Hubs whose room is within ``NEAR`` of the best count as tied: among them the one this target has
-placed fewest sessions on wins, then a random order drawn once per target. Without that, many
-targets that start together see the same reports and all pick the same hub (a herd: measured
-with 64 emulated targets, every session on one of two idle hubs), and the reports only catch up
-after the sessions are placed for good. Sessions never move while their hub is healthy: only a
-hub that dies, drains or restarts sends its sessions back here for a new place (edge.speculate).
+Hubs holding within ``NEAR`` (or one session) of the fewest count as tied: among them the one
+this target has placed fewest sessions on wins, then a random order drawn once per target.
+Without that, many targets that start together see the same reports and all pick the same hub
+(a herd: measured with 64 emulated targets, every session on one of two idle hubs), and the
+reports only catch up after the sessions are placed for good.
+
+Before each placement the pool asks every live hub whose report is older than
+``REPORT_MAX_AGE_S`` for a fresh one (a PING, answered by the hub's event loop, not its drafting
+thread) and waits up to ``REPORT_WAIT_S``: one round trip per new session, against reports a
+heartbeat old, in which the sessions every other target placed since are missing. Measured with
+64 emulated targets on two hubs, heartbeat-old reports let the fleet's new sessions pile onto
+whichever hub last looked emptier, swinging both hubs between 14 and 51 sessions.
+
+Sessions never move while their
+hub is healthy: only a hub that dies, drains or restarts sends its sessions back here for a new
+place (edge.speculate).
 """
 
 from __future__ import annotations
@@ -39,7 +52,9 @@ from starsd import curve_client, protocol
 
 log = logging.getLogger("edge.hubs")
 
-NEAR = 0.2  # room within this fraction of the best (or within one session) counts as a tie
+NEAR = 0.2  # sessions within this fraction of the fewest (or within one) count as a tie
+REPORT_MAX_AGE_S = 0.05  # a load report older than this is asked afresh before a placement
+REPORT_WAIT_S = 0.1  # how long a placement waits for those reports (a late hub: its last one)
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):\d{1,5}|ipc://\S+)$")
 
 
@@ -164,7 +179,7 @@ class HubPool:
         return refusal
 
     def pick(self, taps: tuple[int, ...] = (-1,)) -> HubClient | None:
-        """The live hub with the most spare capacity (see the module docstring), counted as
+        """The live hub holding the fewest sessions (see the module docstring), counted as
         holding one more session of ours from now on; None when no hub is live. Hubs that are
         full or set aside after misbehaving (HubClient.strike) are left out, and so are EAGLE
         hubs that draft from hidden states not among ``taps`` (those the sequence keeps)."""
@@ -175,12 +190,21 @@ class HubPool:
         ]
         if not live:
             return None
-        rooms = {id(c): c.load.spare(c.placed_since_report) for c in live}
-        best = max(rooms.values())
-        tied = [c for c in live if rooms[id(c)] >= best - max(1.0, NEAR * abs(best))]
-        chosen = min(tied, key=lambda c: (c.placed, self._order.get(id(c), 0.0)))
-        chosen.placed += 1
+        holds = {id(c): c.placement.load.holds(c.placement.since_report) for c in live}
+        fewest = min(holds.values())
+        tied = [c for c in live if holds[id(c)] <= fewest + max(1.0, NEAR * fewest)]
+        chosen = min(tied, key=lambda c: (c.placement.placed, self._order.get(id(c), 0.0)))
+        chosen.placement.placed += 1
         return chosen
+
+    async def refresh(
+        self, max_age_s: float = REPORT_MAX_AGE_S, wait_s: float = REPORT_WAIT_S
+    ) -> None:
+        """Fresh load reports from the live hubs before a placement (see the module docstring);
+        with one live hub there is no choice to make, so nothing is asked."""
+        live = [client for client in self.live() if not client.set_aside()]
+        if len(live) > 1:
+            await asyncio.gather(*(client.fresh_load(max_age_s, wait_s) for client in live))
 
     async def aclose(self) -> None:
         """Close every hub's client."""

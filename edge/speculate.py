@@ -9,7 +9,7 @@ hub catches up. A proposal with no tokens and ``alone`` = K (the hub found that 
 not pay for this sequence now) is answered the same way after K tokens decoded alone. A session
 silent for ``resync_s``, refused (UNKNOWN_SESSION, FORBIDDEN, ...), on a hub that went down
 (lease, SHUTTING_DOWN) or from an older hub generation (the hub restarted) is dropped and
-re-opened from the committed tokens, on the live hub with the most room (edge.hubs): with
+re-opened from the committed tokens, on the live hub holding the fewest sessions (edge.hubs): with
 several hubs a sequence fails over without losing a token, and decodes alone only while none is
 live. Proposals and errors are matched on (tag, seq): duplicates and stale ones are ignored, so
 nothing is applied twice. With ``push`` (Open.push) the hub also sends its pre-drafted branches
@@ -152,14 +152,15 @@ async def _place(
     gamma: int,
     fallback: Fallback,
 ) -> HubSession | None:
-    """A session on the live hub with the most room, or None (decode a token alone). A hub
+    """A session on the live hub holding the fewest sessions, or None (decode a token alone). A hub
     that drafts from target features (EAGLE) is no place for a sequence that did not keep them."""
+    await pool.refresh()
     client = pool.pick(seq.taps)
     if client is None:
         return None
     session = await _open(client, seq, params, gamma, fallback)
     if session is None:
-        client.placed -= 1  # not placed after all
+        client.placement.placed -= 1  # not placed after all
     return session
 
 

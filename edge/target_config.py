@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
         "--hub",
         default=TargetConfig.hub,
         help="hub endpoint(s), tcp://HOST:PORT[,tcp://HOST2:PORT...]: each new "
-        "sequence goes to the live hub with the most room",
+        "sequence goes to the live hub holding the fewest sessions",
     )
     p.add_argument("--model", help="target model dir (default: the target of --pair)")
     p.add_argument(

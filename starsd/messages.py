@@ -93,7 +93,7 @@ class Welcome:
     # hubs that draft from other layers only.
     feature_layers: str = field(default="", metadata={"sparse": True})
     # The hub's load when it answered (WELCOME and PONG from a hub; targets place new sessions
-    # on the hub with the most spare capacity, edge.hubs). Sparse: absent from older hubs.
+    # on the hub holding the fewest sessions, edge.hubs). Sparse: absent from older hubs.
     sessions: int = field(default=0, metadata={"sparse": True})  # open sessions, all targets
     queue: int = field(default=0, metadata={"sparse": True})  # draft jobs waiting in Q_in
     busy: float = field(default=0.0, metadata={"sparse": True})  # drafting busy fraction, last ~2 s
@@ -227,7 +227,7 @@ class Pong:
     nonce: int
     epoch: bytes = b""
     # The hub's load when it answered (WELCOME and PONG from a hub; targets place new sessions
-    # on the hub with the most spare capacity, edge.hubs). Sparse: absent from older hubs.
+    # on the hub holding the fewest sessions, edge.hubs). Sparse: absent from older hubs.
     sessions: int = field(default=0, metadata={"sparse": True})  # open sessions, all targets
     queue: int = field(default=0, metadata={"sparse": True})  # draft jobs waiting in Q_in
     busy: float = field(default=0.0, metadata={"sparse": True})  # drafting busy fraction, last ~2 s

@@ -333,7 +333,7 @@ async def test_beside_a_broken_hub_the_honest_one_serves(
         assert seq.generated == _greedy_reference(llama_target, prompt, 40)
     assert sum(s.stats.rounds for s in run.seqs) > 0  # the honest hub's proposals verified
     fake_client, honest_client = run.clients
-    assert fake_client.placed > 0 and honest_client.placed > 0
+    assert fake_client.placement.placed > 0 and honest_client.placement.placed > 0
 
 
 async def test_pushed_junk_is_dropped_before_it_is_held(

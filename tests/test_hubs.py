@@ -1,6 +1,6 @@
 """Several hubs per target (edge.hubs): the hub list, load reports, placement, failover.
 
-Pure tests first (parsing, the spare-capacity rule, pick), then in-process hubs on random
+Pure tests first (parsing, the least-sessions rule, pick), then in-process hubs on random
 loopback ports: the load a hub reports, a target that starts on the one live hub of two, and
 sequences that move to the surviving hub when theirs stops, token for token equal to the target
 alone. The end-to-end case with real processes is tests/test_failover.py.
@@ -21,14 +21,14 @@ from conftest import RunningHub
 from edge.backends.torch import TorchBackend
 from edge.batcher import Batcher
 from edge.client import HubClient
-from edge.handshake import HubLoad, TargetInfo
+from edge.handshake import HubLoad, LoadView, TargetInfo
 from edge.hubs import HubPool, parse_hub_endpoints
 from edge.speculate import Fallback, generate_speculative
 from edge.target import parse_args
 from edge.verifier import TargetSequence
 from starsd import hub as hub_module
 from starsd import models, protocol, transport
-from starsd.protocol import Ping, Pong, SamplingParams, Welcome
+from starsd.protocol import Pong, SamplingParams, Welcome
 from starsd.stats import BusyWindow
 
 # ------------------------------------------------------------------------------ the hub list
@@ -90,11 +90,9 @@ def test_load_reports_are_clamped() -> None:
     assert HubLoad.of(Pong(1, busy=-3.0)).busy == 0.0
 
 
-def test_spare_capacity_weighs_sessions_by_what_they_cost_the_hub() -> None:
-    fast, slow = HubLoad(sessions=4, busy=0.2), HubLoad(sessions=4, busy=0.8)
-    assert fast.spare(0) > slow.spare(0)  # same sessions, the slower hub is fuller
-    assert HubLoad(4, queue=6, busy=1.0).spare(0) < HubLoad(4, queue=1, busy=1.0).spare(0)
-    assert HubLoad(0, 0, 0.0).spare(3) == HubLoad(0, 0, 0.0).spare(0) - 3
+def test_a_hub_holds_its_sessions_its_queue_and_ours_not_yet_reported() -> None:
+    assert HubLoad(4, queue=6, busy=1.0).holds(0) > HubLoad(4, queue=1, busy=1.0).holds(0)
+    assert HubLoad(0, 0, 0.0).holds(3) == HubLoad(0, 0, 0.0).holds(0) + 3
 
 
 class _FakeClient:
@@ -109,10 +107,11 @@ class _FakeClient:
         full: bool = False,
         aside: bool = False,
     ) -> None:
-        self.endpoint, self.load, self.up = name, load, up
+        self.endpoint, self.up = name, up
         self._full, self._aside = full, aside
         self.needed_taps = (-1,) if features else ()
-        self.placed = self.placed_since_report = 0
+        self.placement = LoadView()
+        self.placement.welcomed(load, 0.0)
 
     def full(self) -> bool:
         return self._full
@@ -127,10 +126,7 @@ def _pool(*clients: _FakeClient) -> HubPool:
 
 def _pick(pool: HubPool, taps: tuple[int, ...] = (-1,)) -> str | None:
     client = pool.pick(taps)
-    if client is None:
-        return None
-    client.placed_since_report += 1  # as HubClient counts it until the next report
-    return client.endpoint
+    return None if client is None else client.endpoint
 
 
 def test_a_burst_of_opens_alternates_between_idle_hubs() -> None:
@@ -152,16 +148,23 @@ def test_many_targets_starting_together_spread_over_equal_hubs() -> None:
     assert 20 <= picks.count("a") <= 44
 
 
-def test_a_hub_without_sessions_is_not_shunned_for_its_past_busy() -> None:
-    """Catches placement that reads a freed hub's busy window (its closed sessions' work) as
-    load: such a hub got no session at all in a benchmark run."""
-    freed, other = HubLoad(sessions=0, busy=0.99), HubLoad(sessions=0, busy=0.0)
-    assert freed.spare(0) == other.spare(0)
-    assert HubLoad(sessions=4, busy=0.99).spare(0) < HubLoad(sessions=4, busy=0.2).spare(0)
+def test_a_freshly_loaded_hub_is_not_priced_by_its_lagging_busy_window() -> None:
+    """Catches placement by ``busy / sessions``: a hub that just took 30 sessions still reports
+    the low busy of the seconds before (a window), so each session looks cheap and the hub
+    roomy, and every target kept placing there (measured: the fleet swung between two hubs).
+    A hub freed a moment ago (its busy still high) must not be shunned either."""
+    filling, draining = HubLoad(sessions=30, busy=0.2), HubLoad(sessions=10, busy=0.99)
+    assert _pick(_pool(_FakeClient("filling", filling), _FakeClient("draining", draining))) == (
+        "draining"
+    )
+    freed = HubLoad(sessions=0, busy=0.99)
+    assert _pick(_pool(_FakeClient("other", HubLoad(2, 0, 0.1)), _FakeClient("freed", freed))) == (
+        "freed"
+    )
 
 
 def test_pick_prefers_the_hub_with_room_and_skips_down_full_aside_and_eagle_hubs() -> None:
-    busy, idle = HubLoad(8, 2, 0.9), HubLoad(8, 0, 0.3)
+    busy, idle = HubLoad(12, 2, 0.9), HubLoad(8, 0, 0.3)
     assert _pick(_pool(_FakeClient("busy", busy), _FakeClient("idle", idle))) == "idle"
     assert _pick(_pool(_FakeClient("busy", busy), _FakeClient("idle", idle, up=False))) == "busy"
     assert _pick(_pool(_FakeClient("busy", busy), _FakeClient("idle", idle, full=True))) == "busy"
@@ -170,6 +173,38 @@ def test_pick_prefers_the_hub_with_room_and_skips_down_full_aside_and_eagle_hubs
     eagle = _FakeClient("eagle", idle, features=True)
     assert _pick(_pool(_FakeClient("busy", busy), eagle), taps=()) == "busy"
     assert _pick(_pool(_FakeClient("busy", busy, up=False))) is None
+
+
+def test_a_placement_asks_for_fresh_reports_only_when_they_are_old() -> None:
+    """Catches a PING per placement however fresh the report (a round trip for nothing), a
+    second PING while one is awaited (its PONG would then look unsolicited), and a PONG to
+    someone else's nonce taken as a report."""
+    view = LoadView()
+    view.welcomed(HubLoad(sessions=3), now=10.0)
+    view.placed += 2
+    assert view.since_report == 2
+    assert view.ping(nonce=7, now=10.0, reuse_s=1.0) == 7
+    assert view.ping(nonce=8, now=10.5, reuse_s=1.0) is None  # 7 still awaited
+    assert not view.ponged(8, HubLoad(sessions=9), now=10.6)
+    view.placed += 1  # after the PING: the PONG does not count it
+    assert view.ponged(7, HubLoad(sessions=5), now=10.6)
+    assert (view.load.sessions, view.since_report, view.reported_at) == (5, 1, 10.6)
+    assert view.ping(nonce=9, now=10.7, reuse_s=1.0) == 9  # answered: a new one goes
+
+
+async def test_a_pool_of_one_hub_asks_nothing_before_placing() -> None:
+    """Catches a round trip added to every session open of a target with a single hub."""
+
+    class _Counting(_FakeClient):
+        asked = 0
+
+        async def fresh_load(self, max_age_s: float, wait_s: float) -> None:
+            _Counting.asked += 1
+
+    await _pool(_Counting("a", HubLoad())).refresh()
+    assert _Counting.asked == 0
+    await _pool(_Counting("a", HubLoad()), _Counting("b", HubLoad())).refresh()
+    assert _Counting.asked == 2
 
 
 def test_busy_window_forgets_old_work() -> None:
@@ -230,12 +265,10 @@ async def test_welcome_and_pong_carry_the_hubs_load(
         assert isinstance(welcome, Welcome) and welcome.sessions == 0
         await client.open([1, 2, 3], SamplingParams(), 4)
         await client.open([4, 5], SamplingParams(), 4)
-        await transport.send(client.sock, Ping(99))
-        deadline = time.monotonic() + 5
-        while client.load.sessions != 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert client.load.sessions == 2  # the PONG's count, two OPENs later
-        assert 0.0 <= client.load.busy <= 1.0
+        await client.fresh_load(max_age_s=0.0, wait_s=5.0)
+        load = client.placement.load
+        assert load.sessions == 2  # the PONG's count, two OPENs later
+        assert 0.0 <= load.busy <= 1.0
     finally:
         await client.aclose()
         ctx.term()
@@ -266,7 +299,7 @@ async def test_one_unreachable_and_one_live_hub_speculates_at_once_on_the_live_o
     for prompt, seq in zip(prompts, seqs, strict=True):
         assert seq.generated == _reference(llama_target, prompt, 30)
         assert seq.stats.rounds > 0 and seq.stats.standalone_steps == 0
-    assert [c.placed for c in pool.clients] == [0, 3]
+    assert [c.placement.placed for c in pool.clients] == [0, 3]
 
 
 async def test_a_hub_that_refuses_is_left_out_and_the_other_serves(

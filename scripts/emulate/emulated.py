@@ -20,7 +20,7 @@ and its accepted path drawn as :mod:`scripts.emulate.acceptance` says (``--sibli
 
 ``--hub`` takes a comma list of hubs: each emulated target then keeps one connection per hub
 (an edge.hubs.HubPool, as a real target given ``--hub A,B``) and opens each sequence on
-``pool.pick()``, the hub with the most spare capacity by the load the hubs report; the report then
+``pool.pick()`` after ``pool.refresh()``, as a real target does; the report then
 adds ``hubs`` (per hub: sessions placed there, its open sessions, busy fraction, jobs and batch
 size over the window) and ``balance``, and its hub-wide figures pool every hub's counters.
 
@@ -72,6 +72,7 @@ async def run_target(
     the hub ``pool.pick()`` places it on (with one hub: that hub)."""
     rng = random.Random(cfg.seed * 100_003 + index)
     while time.perf_counter() < phases.finish:
+        await pool.refresh()
         client = pool.pick()
         if client is None:  # a benchmark with a hub down measures nothing worth keeping
             raise RuntimeError(f"target {index}: no live hub to open a session on")
