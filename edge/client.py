@@ -122,11 +122,10 @@ class HubClient:
         self.dropped = 0  # messages from this hub dropped (over budget, unsolicited, too many)
 
     async def fresh_load(self, max_age_s: float, wait_s: float) -> None:
-        """Ask the hub for its load (PING) unless its last report is at most ``max_age_s`` old,
-        and wait up to ``wait_s`` for the PONG; a hub that answers later is judged on its last
-        report now, and the PONG still updates it when it comes."""
-        view = self.placement
-        if not self.up or time.monotonic() - view.reported_at <= max_age_s:
+        """Ask the hub for its load (PING) unless its last report is at most ``max_age_s`` old
+        (LoadView.wants_report), and wait up to ``wait_s`` for the PONG; a hub that answers
+        later is judged on its last report now, and the PONG still updates it when it comes."""
+        if not self.up or not self.placement.wants_report(time.monotonic(), max_age_s, wait_s):
             return
         self._reported.clear()
         self._ping()

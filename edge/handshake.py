@@ -75,6 +75,13 @@ class LoadView:
         """A WELCOME's load, which counts every session placed so far."""
         self._take(load, self.placed, now)
 
+    def wants_report(self, now: float, max_age_s: float, wait_s: float) -> bool:
+        """Whether a placement should ask for (or wait on) a fresh report: the last one is
+        older than ``max_age_s`` and no PING is already late by more than ``wait_s`` (a hub that
+        does not answer costs a placement ``wait_s`` once per PING, not every placement)."""
+        late = self.nonce is not None and now - self._pinged_at > wait_s
+        return now - self.reported_at > max_age_s and not late
+
     def ping(self, nonce: int, now: float, reuse_s: float) -> int | None:
         """The nonce of a PING to send now, or None while one sent less than ``reuse_s`` ago
         still awaits its PONG (a second one would only make the first PONG look unsolicited)."""

@@ -25,8 +25,10 @@ reports only catch up after the sessions are placed for good.
 
 Before each placement the pool asks every live hub whose report is older than
 ``REPORT_MAX_AGE_S`` for a fresh one (a PING, answered by the hub's event loop, not its drafting
-thread) and waits up to ``REPORT_WAIT_S``: one round trip per new session, against reports a
-heartbeat old, in which the sessions every other target placed since are missing. Measured with
+thread) and waits up to ``REPORT_WAIT_S`` (a hub whose PING is already that late is judged on its
+last report, so a hub that does not answer delays one placement per PING, not each one): one
+round trip per new session, against reports a heartbeat old, in which the sessions every other
+target placed since are missing. Measured with
 64 emulated targets on two hubs, heartbeat-old reports let the fleet's new sessions pile onto
 whichever hub last looked emptier, swinging both hubs between 14 and 51 sessions.
 

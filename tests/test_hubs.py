@@ -192,6 +192,20 @@ def test_a_placement_asks_for_fresh_reports_only_when_they_are_old() -> None:
     assert view.ping(nonce=9, now=10.7, reuse_s=1.0) == 9  # answered: a new one goes
 
 
+def test_a_hub_that_does_not_answer_pings_delays_placements_once_per_ping() -> None:
+    """Catches a silent (or hostile) hub that keeps the PING unanswered and so makes every new
+    session wait the full ``wait_s`` for its report."""
+    view = LoadView()
+    view.welcomed(HubLoad(), now=0.0)
+    assert not view.wants_report(now=0.01, max_age_s=0.05, wait_s=0.1)  # fresh enough
+    assert view.wants_report(now=1.0, max_age_s=0.05, wait_s=0.1)
+    view.ping(nonce=1, now=1.0, reuse_s=1.0)
+    assert view.wants_report(now=1.05, max_age_s=0.05, wait_s=0.1)  # in flight: wait for it
+    assert not view.wants_report(now=1.2, max_age_s=0.05, wait_s=0.1)  # late: use the last one
+    view.ping(nonce=2, now=2.1, reuse_s=1.0)  # the heartbeat's next PING
+    assert view.wants_report(now=2.15, max_age_s=0.05, wait_s=0.1)
+
+
 async def test_a_pool_of_one_hub_asks_nothing_before_placing() -> None:
     """Catches a round trip added to every session open of a target with a single hub."""
 
