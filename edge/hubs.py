@@ -28,13 +28,12 @@ Before each placement the pool asks every live hub whose report is older than
 thread) and waits up to ``REPORT_WAIT_S`` (a hub whose PING is already that late is judged on its
 last report, so a hub that does not answer delays one placement per PING, not each one): one
 round trip per new session, against reports a heartbeat old, in which the sessions every other
-target placed since are missing. Measured with
-64 emulated targets on two hubs, heartbeat-old reports let the fleet's new sessions pile onto
-whichever hub last looked emptier, swinging both hubs between 14 and 51 sessions.
+target placed since are missing. Measured with 64 emulated targets on two hubs, heartbeat-old
+reports let the fleet's new sessions pile onto whichever hub last looked emptier, swinging both
+hubs between 14 and 51 sessions.
 
-Sessions never move while their
-hub is healthy: only a hub that dies, drains or restarts sends its sessions back here for a new
-place (edge.speculate).
+Sessions never move while their hub is healthy: only a hub that dies, drains or restarts sends
+its sessions back here for a new place (edge.speculate).
 """
 
 from __future__ import annotations

@@ -175,10 +175,10 @@ def test_pick_prefers_the_hub_with_room_and_skips_down_full_aside_and_eagle_hubs
     assert _pick(_pool(_FakeClient("busy", busy, up=False))) is None
 
 
-def test_a_placement_asks_for_fresh_reports_only_when_they_are_old() -> None:
-    """Catches a PING per placement however fresh the report (a round trip for nothing), a
-    second PING while one is awaited (its PONG would then look unsolicited), and a PONG to
-    someone else's nonce taken as a report."""
+def test_a_ping_is_reused_while_awaited_and_only_its_pong_is_taken() -> None:
+    """Catches a second PING while one is awaited (its PONG would then look unsolicited), a
+    PONG to someone else's nonce taken as a report, and a report counted as seeing sessions
+    placed after its PING."""
     view = LoadView()
     view.welcomed(HubLoad(sessions=3), now=10.0)
     view.placed += 2
