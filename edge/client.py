@@ -75,6 +75,8 @@ YIELD_EVERY = 32  # messages read from one hub before the read loop lets others 
 # Unsolicited messages (PINGs, errors, anything not asked for) per second a hub may send: an
 # honest hub sends one PONG per PING and a few errors; the rest is dropped undecoded.
 HUB_RATES = Rates(base_per_s=50.0, per_session_per_s=20.0, burst_s=2.0)
+CLOSE_LINGER_MS = 200  # on close, how long queued CLOSEs may still go out (a live hub frees
+# those sessions now, not when this target's lease ends; a dead hub delays closing this long)
 INBOX_LIMIT = 16  # messages waiting for one sequence (beyond: dropped, the hub is over-sending)
 STRIKE_BASE_S = 2.0  # a misbehaving hub is set aside this long, doubling per strike...
 STRIKE_MAX_S = 60.0  # ...up to this
@@ -401,7 +403,7 @@ class HubClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._watch is not None:
             self._watch.close()
-        self.sock.close(linger=0)
+        self.sock.close(linger=CLOSE_LINGER_MS)
 
     async def _read_loop(self) -> None:
         read = 0

@@ -179,7 +179,7 @@ class Server:
                 self._sse(generation, reply, usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
-                background=BackgroundTask(generation.cancel),
+                background=BackgroundTask(_cancel, generation),
             )
         return await self._collect(request, generation, reply)
 
@@ -250,6 +250,13 @@ def _api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     return ApiError(500, f"generation failed: {type(exc).__name__}")
+
+
+async def _cancel(generation: Generation) -> None:
+    """Stop a stream's decoding once its response ends (a client that went away). A coroutine
+    so that Starlette runs it on the event loop: a plain function would run in its thread pool,
+    and asyncio's tasks must not be cancelled from another thread."""
+    generation.cancel()
 
 
 async def _join(generation: Generation) -> tuple[str, Delta]:

@@ -250,8 +250,8 @@ async def _round(
     try:
         keep = await _answer(client, seq, session, msg, draft, batcher)
     except ValueError as exc:  # refused in the model thread (checked there once more)
-        if seq.done:
-            return None, False
+        if seq.done:  # ended meanwhile (cancelled): the caller's loop ends and closes the session
+            return session, False
         return await _drop(session, f"a proposal the verifier refused: {exc}")
     return (session if keep else None), False
 

@@ -1,8 +1,9 @@
-"""edge.client: an open() cancelled just as its OPENED arrives still closes that session.
+"""A sequence that is cancelled (an HTTP client that disconnects) always closes its hub session.
 
-An HTTP client that disconnects cancels its sequence; if the cancel lands after the OPENED was
-routed to the inbox but before open() returned, the tag was lost and the session stayed on the
-hub until the target's lease ran out.
+Two moments lost the tag, and the session stayed on the hub until the target's lease ran out (for
+good, while the target lived): an open() cancelled after its OPENED reached the inbox but before
+open() returned; and a sequence ended while its proposal was in the model thread (the verifier
+then refuses the finished sequence, and that round dropped the session unclosed).
 """
 
 from __future__ import annotations
@@ -10,11 +11,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import RunningHub
 
 from edge import client as client_module
+from edge.backends.torch import TorchBackend
+from edge.batcher import Batcher
 from edge.client import HubClient
 from edge.handshake import TargetInfo
-from starsd import protocol, transport
+from edge.speculate import Fallback, generate_speculative
+from edge.verifier import TargetSequence
+from starsd import models, protocol, transport
 from starsd.protocol import Close, Opened, SamplingParams
 
 
@@ -56,6 +62,36 @@ async def test_an_opened_nobody_claims_is_closed(how: str, monkeypatch: pytest.M
             return
         assert closes == [Close(tag)]
         assert tag not in client._waiting
+    finally:
+        await client.aclose()
+        ctx.term()
+
+
+async def test_a_sequence_ended_during_its_verification_closes_its_session(
+    running_hub: RunningHub, llama_target: models.LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught: a round whose verification the model thread refused because the sequence
+    had ended meanwhile (Generation.cancel marks it done; Python 3.11's wait_for can drop the
+    cancel itself) returned no session, so nothing closed it."""
+    verify = Batcher.verify
+
+    async def ended_meanwhile(self: Batcher, seq: TargetSequence, *args: object) -> object:
+        seq.done = True  # as Generation.cancel does
+        return await verify(self, seq, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Batcher, "verify", ended_meanwhile)
+    ctx = transport.new_context()
+    info = TargetInfo("t", llama_target.vocab_size, llama_target.tokenizer_fingerprint)
+    client = HubClient(ctx, running_hub.endpoint, info)
+    await client.connect()
+    prompt = [3, 7, 11, 13]
+    seq = TargetSequence(TorchBackend(llama_target), prompt, SamplingParams(), 30)
+    try:
+        async with Batcher(seq.backend) as batcher:
+            await batcher.prefill(seq)
+            await generate_speculative(client, seq, 4, batcher, Fallback(deadline_s=5.0))
+        assert seq.stats.rounds == 0  # the one round was refused, as the cancel would have it
+        assert (await client.stats()).sessions == 0
     finally:
         await client.aclose()
         ctx.term()

@@ -34,8 +34,11 @@ PROMPTS = [
     "Once more unto",
 ]
 # A deadline well past any proposal's wait on a loaded 2-core machine: a standalone step after
-# the move then means the target waited on the dead hub, not a slow survivor.
-TARGET_ARGS = ("--deadline-ms", "1500", "--resync-s", "5", "--concurrency", "4")
+# the move then means the target waited on the dead hub, not a slow survivor. It is also well
+# past the loss's detection (3 heartbeats, ~1 s, later on a starved machine): a sequence whose
+# deadline passes first decodes its remaining tokens alone in a fraction of a second and never
+# moves, so with a deadline near the detection time the kill could move nothing.
+TARGET_ARGS = ("--deadline-ms", "4000", "--resync-s", "10", "--concurrency", "4")
 
 
 @pytest.fixture(scope="module")

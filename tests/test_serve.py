@@ -14,6 +14,7 @@ import json
 import math
 import re
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -292,7 +293,7 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_hub_session(
         deadline = time.monotonic() + 5
         while await _hub_sessions(running_hub) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert await _hub_sessions(running_hub) == 0
+        assert await _hub_sessions(running_hub) == 0, _decoding(running)
         assert running.server.requests.admitted == 0
         families = _parse((await h.get(f"{running.url}/metrics")).text)
         reasons = {
@@ -301,6 +302,41 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_hub_session(
             if s.name.endswith("_total")
         }
         assert reasons == {"abort": 1}, "decoded to the end regardless"
+
+
+def _decoding(running: serve.Serving) -> str:
+    """What the server is still decoding, and where each decoding task waits (for a failure's
+    message)."""
+    lines = []
+    for g in running.server.requests.live:
+        done = g.seq.done if g.seq is not None else None
+        lines.append(f"cancelled={g.cancelled} answered={g.answered} seq.done={done}")
+        if g.task is not None:
+            lines += [repr(frame) for frame in g.task.get_stack()]
+    return "\n".join(lines) or "nothing in flight"
+
+
+async def test_a_stream_that_ends_stops_its_decoding_on_the_event_loop(
+    llama_target: models.LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug caught: a stream's cancel run in Starlette's thread pool, where cancelling an
+    asyncio task is not thread-safe (its wakeup can wait for an unrelated event)."""
+    threads: list[int] = []
+    cancel = serve.Generation.cancel
+
+    def recording(generation: serve.Generation) -> None:
+        threads.append(threading.get_ident())
+        cancel(generation)
+
+    monkeypatch.setattr(serve.Generation, "cancel", recording)
+    async with _serving(llama_target) as running, httpx.AsyncClient(timeout=60) as h:
+        body = {"model": "llama-target", "prompt": "To be", "max_tokens": 4, "stream": True}
+        async with h.stream("POST", f"{running.url}/v1/completions", json=body) as r:
+            assert [line async for line in r.aiter_lines() if line][-1] == "data: [DONE]"
+        deadline = time.monotonic() + 5
+        while not threads and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    assert threads and set(threads) == {threading.get_ident()}, threads
 
 
 def _parse(text: str) -> dict[str, list]:
