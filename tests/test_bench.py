@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import RunningHub, serving_hub
 
-from scripts.bench import hub_flood
-from scripts.bench import scale as bench_scale
+from scripts.bench import hub_flood, scale_report
 from scripts.emulate.acceptance import accepted_count
 from scripts.emulate.config import EmulationConfig, Phases, schedule
 from scripts.emulate.emulated import emulate
@@ -81,7 +80,7 @@ async def test_emulated_run_fills_the_json_contract(
     assert calibration["jobs"] > 0 and calibration["draft_service_s"] > 0
     assert calibration["verify_ms"] > 0
     inputs = analytic.ModelInputs(0.6, 4, report["draft_service_s"], 0.002, 0.0002, 0.002)
-    record = bench_scale.emulated_record(inputs, report, bench_scale.ONE_AT_A_TIME)
+    record = scale_report.emulated_record(inputs, report, scale_report.ONE_AT_A_TIME)
     alpha = analytic.alpha_from_mean_accepted(report["mean_accepted"], 4)
     calibrated = replace(
         inputs,
@@ -151,7 +150,7 @@ def test_saturation_on_a_known_sweep() -> None:
     instead of >= 0.95, a lower threshold), the model's N_full rounded the wrong way or missing
     a term, "within one step" compared in N instead of in sweep steps, and a max prediction
     error that drops the abs(), takes another run than the worst, or the other prediction."""
-    summary = bench_scale.saturation(SWEEP, SWEEP_INPUTS)
+    summary = scale_report.saturation(SWEEP, SWEEP_INPUTS)
     assert summary["n_full_measured"] == 8
     assert summary["n_full_model"] == 5
     # the same step: N = 8 is the first swept N >= 5 (in N they are 3 apart, not 1)
@@ -164,9 +163,9 @@ def test_saturation_when_the_hub_never_fills_or_fills_far_from_the_model() -> No
     """Catches: a sweep that never reaches busy 0.95 reported as saturating somewhere inside
     it (its last N is the only honest answer), and a one-step check that always says yes."""
     never = [{**r, "hub_busy_fraction": min(r["hub_busy_fraction"], 0.9)} for r in SWEEP]
-    assert bench_scale.saturation(never, SWEEP_INPUTS)["n_full_measured"] == 32
+    assert scale_report.saturation(never, SWEEP_INPUTS)["n_full_measured"] == 32
     late = [{**r, "hub_busy_fraction": 1.0 if r["n_targets"] == 32 else 0.5} for r in SWEEP]
-    summary = bench_scale.saturation(late, SWEEP_INPUTS)
+    summary = scale_report.saturation(late, SWEEP_INPUTS)
     assert summary["n_full_measured"] == 32  # two steps past the model's (8)
     assert summary["n_full_within_one_step"] is False
 
@@ -176,7 +175,7 @@ def test_latency_steadiness_picks_the_runs_it_names() -> None:
     N >= 5) or the 1:1 record mixed up, and a coefficient of variation not std / mean of the
     same record."""
     one_to_one = {"n_targets": 5, "latency_ms": {"std": 7.0, "mean": 35.0}}
-    steadiness = bench_scale.latency_steadiness(SWEEP, one_to_one, 5)
+    steadiness = scale_report.latency_steadiness(SWEEP, one_to_one, 5)
     assert steadiness == {
         "single_pair": 1.0,
         "at_n_full": 3.0,

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench import harness
+from scripts.bench import harness, scale_report
 from scripts.bench import run as bench
-from scripts.bench import scale as bench_scale
 from scripts.bench import service as bench_service
 from scripts.emulate.report import service_curve
 from starsd import analytic
@@ -37,7 +36,7 @@ def test_status_fields_parse_in_kb() -> None:
 
 
 def test_sweep_alternates_which_hub_goes_first() -> None:
-    order = [(n, h) for _, n, h in bench_common.sweep_order([1, 2, 4], bench_scale.HUBS)]
+    order = [(n, h) for _, n, h in bench_common.sweep_order([1, 2, 4], scale_report.HUBS)]
     assert order == [
         (1, "one-at-a-time"),
         (1, "batched"),
@@ -89,22 +88,24 @@ def test_curve_points_prefer_per_size_rows_then_the_mean_batch() -> None:
     """Catches: the fallback used although per-size rows exist, the mean batch size not
     rounded to a size, and seconds not scaled back from ms per batch to a total."""
     rows = [{"batch": 2, "batches": 5, "service_ms": 20.0}]
-    assert bench_scale.curve_points({"service_curve": rows}) == {2: (5, pytest.approx(0.1))}
+    assert scale_report.curve_points({"service_curve": rows}) == {2: (5, pytest.approx(0.1))}
     fallback = {
         "service_curve": None,
         "hub_batches": 10,
         "mean_batch_size": 3.6,
         "batch_service_ms": 30.0,
     }
-    assert bench_scale.curve_points(fallback) == {4: (10, pytest.approx(0.3))}
+    assert scale_report.curve_points(fallback) == {4: (10, pytest.approx(0.3))}
     assert (
-        bench_scale.curve_points({"service_curve": None, "hub_batches": 0, "mean_batch_size": None})
+        scale_report.curve_points(
+            {"service_curve": None, "hub_batches": 0, "mean_batch_size": None}
+        )
         == {}
     )
 
 
 def test_pooled_points_weigh_by_batches() -> None:
-    pooled = bench_scale.pooled_points([{1: (3, 0.03)}, {1: (1, 0.05), 8: (2, 0.1)}])
+    pooled = scale_report.pooled_points([{1: (3, 0.03)}, {1: (1, 0.05), 8: (2, 0.1)}])
     assert pooled == {1: pytest.approx(0.02), 8: pytest.approx(0.05)}
 
 
@@ -122,7 +123,7 @@ def test_hubs_compared_at_saturation_and_per_n() -> None:
     best, and per-N ratios that pair different N or divide the wrong way round."""
     one = [_run(1, 100), _run(2, 190), _run(4, 200), _run(8, 180)]
     batched = [_run(1, 100), _run(2, 250), _run(4, 600), _run(8, 1200)]
-    out = bench_scale.compare_hubs(one, batched, one_full=2, batched_full=8)
+    out = scale_report.compare_hubs(one, batched, one_full=2, batched_full=8)
     assert out["saturated_tokens_per_s"] == {"one-at-a-time": 200, "batched": 1200}
     assert out["saturated_throughput_ratio"] == pytest.approx(6.0)
     assert out["throughput_ratio_by_n"] == {
@@ -142,25 +143,25 @@ def test_busy_from_n_full_and_the_rss_bound() -> None:
         _run(4, 1, 0.96, 450.0),
         _run(8, 1, 0.99, 440.0),
     ]
-    assert bench_scale.busy_from(runs, 2) == {
+    assert scale_report.busy_from(runs, 2) == {
         "min_busy_from_n_full": 0.96,
         "busy_from_n_full_ok": True,
     }
-    assert bench_scale.busy_from(runs, 1)["busy_from_n_full_ok"] is False
-    ok = bench_scale.rss_bound(runs, 480.0)  # peak N = 8 at 440 MiB: 1.09x
+    assert scale_report.busy_from(runs, 1)["busy_from_n_full_ok"] is False
+    ok = scale_report.rss_bound(runs, 480.0)  # peak N = 8 at 440 MiB: 1.09x
     assert ok["peak_n"] == 8 and ok["rss_at_peak_n_mb"] == 440.0
     assert ok["after_over_peak"] == pytest.approx(480 / 440) and ok["within_bound"] is True
-    assert bench_scale.rss_bound(runs, 490.0)["within_bound"] is False  # 1.11x
-    assert bench_scale.rss_bound(runs, 300.0)["within_bound"] is True  # freed: fine
+    assert scale_report.rss_bound(runs, 490.0)["within_bound"] is False  # 1.11x
+    assert scale_report.rss_bound(runs, 300.0)["within_bound"] is True  # freed: fine
 
 
 def test_batched_inputs_carry_the_limit_and_the_curve() -> None:
     inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.008, 0.001, 0.008)
-    built = bench_scale.batched_inputs(inputs, 64, [(8, 0.01), (1, 0.005)])
+    built = scale_report.batched_inputs(inputs, 64, [(8, 0.01), (1, 0.005)])
     assert built is not None and built.max_batch == 64 and built.curve is not None
     assert built.curve.at(1, 4) == pytest.approx(0.005)
     assert built.curve.at(8, 4) == pytest.approx(0.01)
-    assert bench_scale.batched_inputs(inputs, 64, []) is None
+    assert scale_report.batched_inputs(inputs, 64, []) is None
 
 
 def test_service_rows_and_ratio_checks() -> None:

@@ -11,7 +11,7 @@ speed drifts), medians reported and compared:
   generation_config (transformers 5.x reads them from the assistant, not from ``generate``'s
   arguments); its output is checked token for token against the target alone.
 * ``centralized``: draft and target in one process, the hub's proposer and the edge's verifier
-  called directly (``bench.bench_centralized``), gamma fixed.
+  called directly (``scripts.bench.inproc.bench_centralized``), gamma fixed.
 * ``hub-defaults``: ``python -m starsd.hub`` with its defaults (pre-drafting on, ``--gamma
   auto``) and one ``edge.target`` process opening with gamma 0 (the hub's choice) and its
   defaults (``--push 4``: the hub's branches pushed ahead of the verdict);

@@ -54,7 +54,7 @@ from scripts.bench import real_costs
 from scripts.bench.assisted import hf_assisted, in_target_vocabulary
 from scripts.bench.common import BenchConfig, pooled_targets, rotated, target_lines
 from scripts.bench.harness import REPO, Processes, start_hub
-from scripts.bench.run import bench_centralized, bench_standalone
+from scripts.bench.inproc import bench_centralized, bench_standalone
 from scripts.train.chat_prompts import held_out_prompts
 from starsd import models, protocol
 from starsd.hub.build import load_proposer

@@ -22,16 +22,13 @@ from typing import Any
 
 import torch
 
-from edge.backends.torch import TorchBackend
 from edge.handshake import TargetInfo
-from edge.verifier import TargetSequence
 from scripts.bench import assisted as bench_assisted
 from scripts.bench import predraft as bench_predraft
-from scripts.bench import replay
+from scripts.bench import replay, scale_report
 from scripts.bench import scale as bench_scale
 from scripts.bench import verify as bench_verify
 from scripts.bench.common import BenchConfig, hub_overhead, hub_stats, run_record
-from scripts.bench.harness import PROMPTS as HARNESS_PROMPTS
 from scripts.bench.harness import (
     REPO,
     Processes,
@@ -41,136 +38,11 @@ from scripts.bench.harness import (
     stop,
     write_prompts,
 )
-from starsd import analytic, models, transport, tree
-from starsd.hub.drafters.base import DraftJob, Proposer
+from scripts.bench.inproc import PROMPTS, bench_centralized, bench_standalone, eagle_drafter
+from starsd import analytic, models, transport
+from starsd.hub.drafters.base import Proposer
 from starsd.hub.drafters.llm import LlmProposer
-from starsd.protocol import Proposal, SamplingParams, Stats
-from starsd.stats import latency_summary
-from starsd.tree_shapes import TreeShape
-
-PROMPTS = HARNESS_PROMPTS[:6]
-
-
-# ---------------------------------------------------------------------- in-process modes
-
-
-def bench_standalone(
-    target: models.LoadedModel, cfg: BenchConfig, prompts: Sequence[list[int]] | None = None
-) -> tuple[dict, float, list[list[int]]]:
-    """The target alone; returns its record, the mean decode step (T_ar) and the generated ids
-    per prompt (what every greedy mode must reproduce)."""
-    tokens, seconds, lat, ids = 0, 0.0, [], []
-    backend = TorchBackend(target)
-    for prompt in prompts or _encoded(target):
-        seq = TargetSequence(backend, list(prompt), SamplingParams(), cfg.max_new_tokens)
-        started = time.perf_counter()
-        while not seq.done:
-            seq.step()
-        seconds += time.perf_counter() - started
-        tokens += len(seq.generated)
-        lat += seq.stats.token_latency_s
-        ids.append(list(seq.generated))
-    rate = tokens / seconds
-    return (
-        run_record(
-            "standalone",
-            1,
-            system_tokens_per_s=rate,
-            per_target_tokens_per_s=rate,
-            latency_ms=latency_summary(lat),
-        ),
-        seconds / tokens,
-        ids,
-    )
-
-
-def bench_centralized(
-    target: models.LoadedModel,
-    drafter: Proposer,
-    cfg: BenchConfig,
-    prompts: Sequence[list[int]] | None = None,
-    tree_shape: TreeShape | None = None,
-) -> tuple[dict, dict[str, float]]:
-    """Draft and target in one process; also measures S(d) and the verify time per round.
-
-    The same loop serves both backends: with EAGLE the target keeps its features and each
-    job carries those the drafter has not seen, exactly as OPEN and DRAFT do over the wire.
-    With ``tree_shape`` every round drafts a token tree of that shape (its verdict names the
-    accepted path, as DRAFT does).
-    """
-    eagle = drafter.feature_width > 0
-    taps = (drafter.feature_layers or (-1,)) if eagle else ()
-    tokens = rounds = accepted = 0
-    draft_s = verify_s = 0.0
-    lat: list[float] = []
-    backend = TorchBackend(target)
-    started = time.perf_counter()
-    for prompt in prompts or _encoded(target):
-        ids = list(prompt)
-        seq = TargetSequence(backend, ids, SamplingParams(), cfg.max_new_tokens, taps)
-        state = drafter.new_state(ids, SamplingParams(), cfg.gamma)
-        job = DraftJob(b"", 0, state, 0, (), features=_features(seq, 0, eagle))
-        while not seq.done:
-            state.tree = tree_shape
-            t0 = time.perf_counter()
-            (proposal,) = drafter.propose([job])
-            t1 = time.perf_counter()
-            assert isinstance(proposal, Proposal), proposal
-            synced, drafts = seq.committed, [int(t) for t in proposal.tokens]
-            parents = None if proposal.parents is None else proposal.parents.tolist()
-            n, appended = seq.verify(drafts, None, parents)
-            verify_s += time.perf_counter() - t1
-            kept = seq.generated[synced - len(ids) :][:n]
-            path = None if parents is None else tuple(tree.accepted_path(drafts, parents, kept))
-            draft_s += t1 - t0
-            rounds, accepted = rounds + 1, accepted + n
-            job = DraftJob(
-                b"",
-                job.seq + 1,
-                state,
-                n,
-                tuple(appended),
-                features=_features(seq, synced - 1, eagle),
-                path=path,
-            )
-        tokens += len(seq.generated)
-        lat += seq.stats.token_latency_s
-    rate = tokens / (time.perf_counter() - started)
-    record = run_record(
-        "centralized",
-        1,
-        system_tokens_per_s=rate,
-        per_target_tokens_per_s=rate,
-        acceptance_rate=accepted / (rounds * cfg.gamma),
-        mean_accepted=accepted / rounds,
-        latency_ms=latency_summary(lat),
-        draft_kind=drafter.kind,
-    )
-    return record, {
-        "draft_s": draft_s / rounds,
-        "verify_s": verify_s / rounds,
-        "mean_accepted": accepted / rounds,
-    }
-
-
-def _encoded(target: models.LoadedModel) -> list[list[int]]:
-    """The toy pair's prompts as the target's token ids."""
-    return [models.encode_text(target, prompt) for prompt in PROMPTS]
-
-
-def _features(seq: TargetSequence, start: int, eagle: bool) -> Any:
-    """The features a job carries (EAGLE only): positions ``start`` .. all but the last."""
-    return seq.features(start, seq.committed - 1) if eagle else None
-
-
-def eagle_drafter(cfg: BenchConfig) -> Proposer:
-    """The hub's EAGLE drafter for the benchmark's target, built as the hub builds it."""
-    from starsd.hub.drafters import eagle_head as eagle
-    from starsd.hub.drafters.eagle import EagleProposer
-
-    head = eagle.load_eagle_head(cfg.eagle, cfg.target)
-    return EagleProposer(head, models.load_tokenizer_info(cfg.target).max_positions)
-
+from starsd.protocol import Stats
 
 # ---------------------------------------------------------------------- multi-process modes
 
@@ -355,7 +227,7 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
             lambda eps, tag, extra: run_targets(
                 cfg, procs, work, eps, tag, extra=extra, cpus=target_cpus
             ),
-            bench_scale.batched_inputs(inputs, cfg.max_batch, curve) or inputs,
+            scale_report.batched_inputs(inputs, cfg.max_batch, curve) or inputs,
             lambda ep, n, tag, extra: bench_scale.emulated_run(
                 cfg, procs, work, info, ep, n, target_cpus, tag, extra
             ),
@@ -544,7 +416,7 @@ def predicted(
     drafts one at a time, with S(B) for a batched one (None until starsd.analytic has S(B))."""
     if run.max_batch == 1 or run.mode != BATCHED_MODE:
         return analytic.predict(inputs, sessions).system_tokens_per_s
-    with_curve = bench_scale.batched_inputs(inputs, run.max_batch, curve or [])
+    with_curve = scale_report.batched_inputs(inputs, run.max_batch, curve or [])
     if with_curve is None:
         return None
     return analytic.predict(with_curve, sessions).system_tokens_per_s
@@ -594,7 +466,7 @@ def plot(result: dict, path: Path) -> None:
     """Measured against predicted system throughput per run; for the main suite also the
     batched hub against the one-at-a-time hub per N."""
     if result["suite"] == "scale":
-        bench_scale.plot(result, path)
+        scale_report.plot(result, path)
         return
     import matplotlib
 
@@ -797,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
-    print(bench_scale.markdown(result) if cfg.suite == "scale" else markdown(result))
+    print(scale_report.markdown(result) if cfg.suite == "scale" else markdown(result))
     print({k: v for k, v in result.items() if k not in ("runs", "config")})
     if result.get("plan_check"):
         print(replay.report(result["runs"], result["plan_check"]))

@@ -32,7 +32,7 @@ mean batch size and, when the hub counts them, its service time per batch size S
 After the warm-up, calibration slices alternate with the measured window's slices (so this
 machine's drifting speed hits both alike): the hub's draft service time S(d) and the emulated
 verify time measured in the calibration slices, at the same N but outside the window, are the
-inputs from which the benchmark predicts the window's throughput (scripts/bench/scale.py).
+inputs from which the benchmark predicts the window's throughput (scripts/bench/scale_report.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ drafting does); each pass's soft cross-entropy to the target's next-token distri
 (restricted to the draft vocabulary, renormalised), weighted 0.8 ** k as EAGLE's trainer does.
 
 Evaluation: every drafter runs in the hub's proposer on the target's verifier, in process
-(``scripts.bench.run.bench_centralized``, the loop a hub and a target run over the wire),
+(``scripts.bench.inproc.bench_centralized``, the loop a hub and a target run over the wire),
 greedy, on held-out prompts: accepted drafts per round at each gamma, and the draft's seconds
 per round.
 """
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from scripts.bench.common import BenchConfig
-from scripts.bench.run import bench_centralized
+from scripts.bench.inproc import bench_centralized
 from scripts.train.config_args import parse_config
 from scripts.train.eagle_head_data import EagleTrainConfig, build_pool
 from scripts.train.eval_models import encode_works, evenly_spaced
