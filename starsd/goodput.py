@@ -12,7 +12,13 @@ alone 1 / T_alone.
   fully loaded: among g >= 1 with own(g) >= 1 / T_alone, argmax E[L(g)] / (S(B, g) / B), the
   session's tokens per second of hub time (its share of the batch); 0 if there is none.
 
-Ties go to the shorter gamma, and to drafting over decoding alone. Pure.
+Ties go to the shorter gamma, and to drafting over decoding alone.
+
+A session whose batch drafts a common gamma c (:func:`deviation_rates`): the batch's drafting
+takes as long as its longest proposal, so a session alone at g > c makes its B - 1 companions
+wait S(B, g) instead of S(B, c). Such a g is judged by the whole batch: under-loaded, the mean
+own rate of the B sessions (one at g, the others at c, all waiting S(B, g)); fully loaded, the
+batch's tokens per hub second, (E[L(g)] + (B - 1) E[L(c)]) / S(B, g). Pure.
 """
 
 from __future__ import annotations
@@ -63,3 +69,31 @@ def pick_gamma(rates: Sequence[float]) -> int:
     decoding alone (index 0) only when strictly ahead of every gamma."""
     best = max(range(1, len(rates)), key=lambda g: (rates[g], -g))
     return 0 if rates[0] > rates[best] else best
+
+
+def deviation_rates(
+    rates: Sequence[float],
+    expected: Sequence[float],
+    costs: Sequence[float],
+    outside: Sequence[float],
+    common: int,
+    batch: int,
+    loaded: bool,
+) -> list[float]:
+    """:func:`gamma_rates` ``rates`` with each gamma above ``common`` judged as one session of
+    a batch of ``batch`` that drafts ``common`` (the module docstring); unchanged without a
+    common gamma or a batch to share. A gamma that does not pay for the session (-1) stays."""
+    judged = list(rates)
+    if common < 1 or batch <= 1:
+        return judged
+    others = batch - 1
+    for g in range(common + 1, len(rates)):
+        if rates[g] < 0:
+            continue
+        if loaded:
+            judged[g] = (expected[g] + others * expected[common]) / max(costs[g], 1e-12)
+        else:
+            own = expected[g] / (costs[g] + outside[g])
+            theirs = expected[common] / (costs[g] + outside[common])
+            judged[g] = (own + others * theirs) / batch
+    return judged

@@ -553,3 +553,24 @@ def test_a_fixed_gamma_session_drafts_chains_under_tree_auto(mode: str) -> None:
         pacer.plan(job, None, 0.01 * i)
         shapes.add(state.tree)
     assert shapes == ({TreeShape(2, 4, 8)} if mode == "on" else {None})
+
+
+def test_the_pacer_votes_each_sessions_best_not_its_choice() -> None:
+    """Catches the common gamma fed the choices: a session that follows its batch's common
+    gamma while its figures say the batch should draft longer would vote for the common gamma,
+    and a batch kept from moving up one session at a time could never move up at all."""
+    pacer = Pacer(GammaPolicy(PolicyParams(max_gamma=8, hysteresis=0.0)), None)
+    state = new_chain_state(list(PROMPT), SamplingParams(), 4)
+    job = DraftJob(b"s", 1, state, 0, (5,), enqueued_at=0.0, proposed=0, owner=b"p", auto=True)
+    pacing = pacer.pacing_of(job)
+    pacing.explored, pacing.chosen = True, 2
+    for _ in range(50):
+        pacing.estimate.observe(8, 8)  # every draft accepted
+        pacing.round_trip.observe(8, 0.020)
+    votes: list[int] = []
+    pacer.common.vote = votes.append  # type: ignore[method-assign]
+    costs = [0.0, *(0.002 + 0.001 * g for g in range(8))]
+    plan = pacer.policy.next_round(pacing, Load(8, False, costs, common=2))
+    assert plan == 2 and pacing.vote == 8  # it follows its batch, and votes for 8
+    pacer.plan(job, Load(8, False, costs, common=2), 0.0)
+    assert votes == [8]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from starsd.goodput import deviation_rates, gamma_rates
 from starsd.hub.estimates import AcceptanceEstimate, LinearFit, ServiceModel
 from starsd.hub.policy import (
     CommonGamma,
@@ -400,6 +401,28 @@ def test_the_hubs_common_gamma_is_chosen_while_near_the_best() -> None:
     assert votes.mode() == 6
 
 
+def test_a_session_does_not_draft_longer_than_its_batch_alone() -> None:
+    """Catches a session that leaves its batch's common gamma upward on its own figures: the
+    batch's drafting takes as long as its longest proposal, so the other seven jobs wait for it
+    (at N = 8 and --max-batch 8, 7% of the rounds off a common gamma 2 made auto 0.83x the best
+    fixed gamma). Also catches the rule applied where nobody waits (a batch of one), and votes
+    that follow the choice instead of the session's best (a batch held at a short common gamma
+    could then never move up together)."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G, hysteresis=0.0))
+    s = _session(policy, 0.9, 0.020)
+    best = policy.choose(s, IDLE)
+    assert best >= 6
+    assert policy.choose(s, Load(1, False, IDLE.costs, common=2)) == best  # nobody to delay
+    eight = Load(8, False, IDLE.costs, common=2)
+    assert policy.choose(s, eight) == 2
+    assert s.vote == best  # its vote: what the batch should draft, were all of it alike
+    assert policy.next_round(s, eight) == 2 and s.vote == best
+    # shorter than the common gamma delays nobody: a session whose best is 1 leaves for it
+    low = _session(policy, 0.2, 0.020)
+    low.alone_step, low.chosen = 1.0, 6  # (decoding alone never pays here)
+    assert policy.choose(low, Load(8, False, IDLE.costs, common=6)) == 1
+
+
 def test_a_new_session_starts_from_its_targets_last_one() -> None:
     """Catches a learnt prior that is ignored (every session of a target starting from the
     prior 0.6 and a warm-up: sessions of ~46 rounds spent a third of them there), figures
@@ -512,3 +535,27 @@ def test_the_span_alone_that_times_t_alone_is_taken_once_per_target() -> None:
     assert statistics.median(gammas[4:]) >= 8  # and speculation goes on
     later = policy.new_session(None, start=4, like=s.shared)
     assert policy.next_round(later, IDLE) >= 8  # inherited: no warm-up, no second span
+
+
+def test_deviation_rates_judge_a_longer_gamma_by_the_batch_it_delays() -> None:
+    """Catches the batch's rate computed wrong: under-loaded, the mean own rate of a batch of B
+    (one session at g, B - 1 at the common c, all waiting S(B, g)); fully loaded, the batch's
+    tokens per hub second; gammas at or below c, one that does not pay (-1), and a batch of one
+    left as they were."""
+    expected = [1.0, 1.8, 2.4, 2.9]
+    costs = [0.0, 0.003, 0.004, 0.005]
+    outside = [0.02, 0.021, 0.022, 0.023]
+    idle = gamma_rates(expected, costs, outside, None, 4, False)
+    judged = deviation_rates(idle, expected, costs, outside, 1, 4, False)
+    assert judged[:2] == idle[:2]
+    for g in (2, 3):
+        mine = expected[g] / (costs[g] + outside[g])
+        theirs = expected[1] / (costs[g] + outside[1])
+        assert judged[g] == pytest.approx((mine + 3 * theirs) / 4)
+        assert judged[g] < idle[g]
+    full = [0.0, 2400.0, -1.0, 2320.0]
+    judged = deviation_rates(full, expected, costs, outside, 1, 4, True)
+    assert judged[2] == -1.0 and judged[1] == full[1]
+    assert judged[3] == pytest.approx((2.9 + 3 * 1.8) / 0.005)
+    assert deviation_rates(idle, expected, costs, outside, 1, 1, False) == idle
+    assert deviation_rates(idle, expected, costs, outside, 0, 4, False) == idle

@@ -120,7 +120,7 @@ class Pacer:
         if gamma != before and log.isEnabledFor(logging.DEBUG):
             log.debug("session %s: gamma %d -> %d", job.tag.hex()[:8], before, gamma)
         if pacing.fixed is None:
-            self.common.vote(gamma)
+            self.common.vote(pacing.vote)
         span = self._span(job, pacing) if gamma == 0 else 0
         if span:
             if pacing.pending is None:

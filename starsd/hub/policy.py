@@ -46,9 +46,13 @@ Rule (:meth:`GammaPolicy.choose`), over g in 0..G:
   share of the batch); 0 when no such g exists.
 
 Then stability: while the best is within ``common_slack`` (10%) of the gamma the hub's auto
-sessions draft most lately (:class:`CommonGamma`), that one is chosen (sessions on one gamma
+sessions favour most lately (:class:`CommonGamma`), that one is chosen (sessions on one gamma
 come back together and are drafted in one batch), else while it is within ``hysteresis`` (5%)
-of the session's last gamma, that stays.
+of the session's last gamma, that stays. A gamma above the common one is judged by the whole
+batch it would delay (:func:`starsd.goodput.deviation_rates`): one session drafting 7 where
+its batch of 8 drafts 2 made every batch it joined take S(8, 7), and auto ran 0.83x the best
+fixed gamma at N = 8. What moves the common gamma is the votes: each session votes for its
+best gamma were its batch to draft alike, so the batch moves together or not at all.
 
 The figures are per target, not per session: every auto session of one target learns into and
 decides from one :class:`TargetPacing` (estimate, round trip, T_alone, W), live, and a target's
@@ -68,7 +72,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from starsd.goodput import gamma_rates, pick_gamma
+from starsd.goodput import deviation_rates, gamma_rates, pick_gamma
 from starsd.hub.estimates import AcceptanceEstimate, LinearFit
 
 
@@ -162,8 +166,9 @@ class Load:
 
 
 class CommonGamma:
-    """The gamma (>= 1) the hub's auto sessions chose most lately: each choice a vote, every
-    vote's weight ``decay`` times smaller after each later one. Owned by the drafting thread."""
+    """The gamma (>= 1) the hub's auto sessions favour most lately: each round a vote (the
+    session's best gamma were its batch to draft alike, ``SessionPacing.vote``), every vote's
+    weight ``decay`` times smaller after each later one. Owned by the drafting thread."""
 
     def __init__(self, max_gamma: int, decay: float = 0.98) -> None:
         self.decay = decay
@@ -234,6 +239,9 @@ class SessionPacing:
     pending: Pending | None = None
     alone_span: int = 16  # tokens of the next span alone
     chosen: int = 0  # the last gamma chosen
+    # its vote for the hub's common gamma: the best gamma were its batch to draft alike (the
+    # choice itself may differ: it follows the common gamma while near, never leads alone)
+    vote: int = 0
     probing: bool = False  # the proposal in flight is the probe after a span alone
     explored: bool = False  # it decoded alone to time its target's T_alone
     shape: int = 0  # the proposal in flight: 0 a chain, k the hub's k-th tree shape (shapes.py)
@@ -269,9 +277,11 @@ class SessionPacing:
     def wait(self, seconds: float) -> None:
         self.shared.wait = seconds
 
-    def choose(self, gamma: int) -> int:
-        """Record ``gamma`` as this round's choice (the session's and its target's)."""
+    def choose(self, gamma: int, vote: int | None = None) -> int:
+        """Record ``gamma`` as this round's choice (the session's and its target's), and
+        ``vote`` (default: ``gamma``) as its vote for the common gamma."""
         self.chosen = self.shared.chosen = gamma
+        self.vote = gamma if vote is None else vote
         return gamma
 
     def step_alone(self, hub: float | None = None) -> float | None:
@@ -389,14 +399,15 @@ class GammaPolicy:
         elif s.probing:
             s.probing = False
             s.alone_span = min(2 * s.alone_span, p.max_alone) if g == 0 else p.alone_tokens
-        return s.choose(g)
+        return s.choose(g, vote=s.vote)
 
     def choose(self, s: SessionPacing, load: Load, allow_alone: bool = True) -> int:
         """The rule of the module docstring (:func:`starsd.goodput.best_gamma`, which the
         analytic model's auto gamma applies too) on this session's figures, with hysteresis:
         while the best is within ``common_slack`` of the hub's common gamma (``load.common``),
         that is chosen (unless the session decodes alone or would), else while it is within
-        ``hysteresis`` of the last gamma, that stays.
+        ``hysteresis`` of the last gamma, that stays; a gamma above the common one is judged
+        by the batch it would delay. Sets ``s.vote`` to the best before either.
 
         Why the common gamma first: sessions that draft the same gamma verify for the same time
         and come back together, so the hub drafts them in one batch; sessions spread over
@@ -417,11 +428,19 @@ class GammaPolicy:
             load.loaded,
         )
         best, p = pick_gamma(rates), self.params
+        s.vote = best
         # (0: no common gamma yet.) It aligns drafting sessions only: neither calls one back
         # from decoding alone nor keeps one from it (sessions flapped between alone and a
         # common gamma 2 at alpha 0.3, both within 10%, and one at 8, the common gamma of its
         # own votes, stayed there for 38 rounds after acceptance fell to 0.3)
-        common = load.common if load.common >= 1 and s.chosen != 0 and best != 0 else -1
+        common = (
+            load.common if 1 <= load.common < len(rates) and s.chosen != 0 and best != 0 else -1
+        )
+        if common >= 1:  # a longer proposal than the batch's delays the whole batch
+            rates = deviation_rates(
+                rates, expected, load.costs, outside, common, load.batch, load.loaded
+            )
+            best = pick_gamma(rates)
         for keep, slack in ((common, p.common_slack), (s.chosen, p.hysteresis)):
             near = 0 <= keep < len(rates) and rates[keep] > 0
             if near and rates[keep] * (1.0 + slack) >= rates[best]:
