@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from scripts.bench import hubs as bench_hubs
+from scripts.bench import hubs_report as hubs_figures
 from scripts.bench.common import sweep_order
-from scripts.bench.hubs import ONE, SPLIT, TWO
+from scripts.bench.hubs_report import ONE, SPLIT, TWO
 from scripts.emulate import emulated
 from scripts.emulate.config import EmulationConfig
 from scripts.emulate.report import TargetRecord, balance, hubs_report
@@ -68,7 +69,7 @@ def test_hubs_report_takes_each_hub_its_own_window() -> None:
 def test_sweep_order_rotates_which_mode_goes_first() -> None:
     """Catches: one mode always first (drift would then favour it), and a repeat that starts
     where the last one started instead of carrying the rotation on."""
-    order = sweep_order([8, 16], bench_hubs.MODES, repeats=2)
+    order = sweep_order([8, 16], hubs_figures.MODES, repeats=2)
     firsts = [order[i][2] for i in range(0, len(order), 3)]
     assert firsts == [ONE, TWO, SPLIT, ONE]
     assert all({m for _, n, m in order if n == 8} == {ONE, TWO, SPLIT} for _ in (0,))
@@ -118,7 +119,7 @@ def test_summary_saturated_ratio_and_paired_ratios() -> None:
     """Catches: the saturated throughput read at the last N instead of the best, the mean over
     repeats instead of the median, the ratio inverted, the paired ratio taken across repeats
     (a run paired with another repeat's), and a target check that passes below 1.8x."""
-    summary = bench_hubs.sweep_summary(SWEEP)
+    summary = hubs_figures.sweep_summary(SWEEP)
     assert summary["saturated_tokens_per_s"] == {ONE: 110.0, TWO: 190.0}
     assert summary["saturated_at_n"] == {ONE: 32, TWO: 32}
     assert summary["saturated_ratio"] == pytest.approx(190 / 110)
@@ -131,7 +132,7 @@ def test_summary_saturated_ratio_and_paired_ratios() -> None:
         {**r, "system_tokens_per_s": 2 * r["system_tokens_per_s"]} if r["mode"] == TWO else r
         for r in SWEEP
     ]
-    assert bench_hubs.sweep_summary(doubled)["meets_target"] is True
+    assert hubs_figures.sweep_summary(doubled)["meets_target"] is True
 
 
 def _row(prompt: str, ids: list[int], moves: int = 0, resume: float = 0.0, after: int = 0) -> dict:
@@ -151,18 +152,18 @@ def test_fault_summary_compares_every_output_and_the_moves() -> None:
         [_row("q", [4, 5], moves=1, resume=0.2), _row("p", [1, 2, 3])],
         [_row("p", [1, 2, 3], moves=1, resume=0.3, after=1), _row("q", [4, 5])],
     ]
-    summary = bench_hubs.fault_summary(rows, reference, 0.5, [1.5, None])
+    summary = hubs_figures.fault_summary(rows, reference, 0.5, [1.5, None])
     assert summary["identical_to_target_alone"] is True and summary["sequences"] == 4
     assert summary["moved_sequences"] == 2 and summary["resume_s"] == [0.2, 0.3]
     assert summary["resume_s_median"] == pytest.approx(0.25)
     assert summary["resumed_within_one_heartbeat"] is True
     assert summary["standalone_after_move"] == 1
     rows[1].append(_row("q", [4, 6], moves=1, resume=0.7))
-    worse = bench_hubs.fault_summary(rows, reference, 0.5, [1.5, None])
+    worse = hubs_figures.fault_summary(rows, reference, 0.5, [1.5, None])
     assert worse["identical_to_target_alone"] is False and worse["mismatched_prompts"] == ["q"]
     assert worse["resume_s_median"] == pytest.approx(0.3)  # the median is within; the max is not
     assert worse["resumed_within_one_heartbeat"] is False
-    nothing = bench_hubs.fault_summary([[_row("p", [1, 2, 3])]], reference, 0.5, [])
+    nothing = hubs_figures.fault_summary([[_row("p", [1, 2, 3])]], reference, 0.5, [])
     assert nothing["resumed_within_one_heartbeat"] is False  # no move: nothing shown
 
 
