@@ -1,7 +1,7 @@
 """A target's connection to the draft hub: one DEALER socket shared by all of its sequences.
 
 The receive loop decodes every message at the boundary and routes it to the waiting sequence by
-its ``ref`` (OPENED, errors before a tag exists) or its session tag (PROPOSAL, later errors).
+its ``ref`` or its session tag (:mod:`edge.routes`).
 
 Liveness: the client PINGs every heartbeat interval the hub announced in WELCOME (that keeps its
 lease), and it considers the hub down when it has heard nothing for LIVENESS_INTERVALS intervals,
@@ -18,8 +18,9 @@ OPENED of its OPEN), everything else spends a small rate, and past it messages a
 before they are decoded; the read loop yields to the event loop every ``YIELD_EVERY`` messages,
 so a flooding hub cannot starve the other hubs, the model thread's callbacks or an HTTP server
 on the same loop. Every number a WELCOME carries is clamped or refused (:func:`checked_welcome`),
-a session's inbox is bounded, and a hub that sends what no honest hub would (a proposal the
-target refuses, an unexpected error) is set aside for a while (:meth:`HubClient.strike`).
+a session's inbox is bounded, a proposal beyond a session's credit is dropped, and a hub that
+sends what no honest hub would (a proposal the target refuses, an unexpected error) is set aside
+for a while (:meth:`HubClient.strike`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from edge.handshake import (
     push_for,
     tap_problem,
 )
+from edge.routes import Inbox, SessionRoutes
 from starsd import curve_client, limits, protocol, transport
 from starsd.budget import PeerBudget, Rates
 from starsd.logsafe import Throttle, printable
@@ -77,7 +79,6 @@ YIELD_EVERY = 32  # messages read from one hub before the read loop lets others 
 HUB_RATES = Rates(base_per_s=50.0, per_session_per_s=20.0, burst_s=2.0)
 CLOSE_LINGER_MS = 200  # on close, how long queued CLOSEs may still go out (a live hub frees
 # those sessions now, not when this target's lease ends; a dead hub delays closing this long)
-INBOX_LIMIT = 16  # messages waiting for one sequence (beyond: dropped, the hub is over-sending)
 STRIKE_BASE_S = 2.0  # a misbehaving hub is set aside this long, doubling per strike...
 STRIKE_MAX_S = 60.0  # ...up to this
 _BUDGET_KEY = b"hub"  # one bucket per client: a client talks to one hub
@@ -107,17 +108,16 @@ class HubClient:
         self.down_since = 0.0  # when mark_down last found it down (time.monotonic)
         self.heartbeat_s = 1.0
         self._refs = itertools.count(1)
-        self._waiting: dict[int | bytes, asyncio.Queue[protocol.Message]] = {}
+        self._routes = SessionRoutes(info.push)  # sequences' inboxes and sessions' credit
         self._hello: asyncio.Future[protocol.Message] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stats: dict[int, asyncio.Future[Stats]] = {}
         self.placement = LoadView()  # what edge.hubs places sessions by
         self._reported = asyncio.Event()  # set by every load report (fresh_load waits on it)
         self._full_until = 0.0  # RESOURCE_EXHAUSTED: place no session here until then
-        # Defences against the hub (module docstring): the read budget, what each session may
-        # still be sent (tag -> messages), strikes (the PING we wait a PONG for: placement).
+        # Defences against the hub (module docstring): the read budget (each session's credit
+        # is in ``_routes``), strikes (the PING we wait a PONG for: placement).
         self._budget = PeerBudget(HUB_RATES)
-        self._credit: dict[bytes, int] = {}
         self._strikes = 0
         self._set_aside_until = 0.0
         self._throttle = Throttle()
@@ -272,14 +272,7 @@ class HubClient:
         )
         self.welcome = None
         self.down_since = time.monotonic()
-        lost = f"hub {self.endpoint} is down: {reason}"
-        for key, inbox in self._waiting.items():
-            tag, ref = (key, None) if isinstance(key, bytes) else (None, key)
-            with contextlib.suppress(asyncio.QueueFull):  # (a full inbox: it reads ``up``)
-                inbox.put_nowait(Error(ErrorCode.NOT_WELCOMED, lost, ref=ref, tag=tag))
-        # this generation's sessions are void: what they were owed and their routes go too
-        self._credit.clear()
-        self._waiting = {key: q for key, q in self._waiting.items() if not isinstance(key, bytes)}
+        self._routes.void(f"hub {self.endpoint} is down: {reason}")
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -319,14 +312,13 @@ class HubClient:
         gamma: int,
         timeout: float = 10.0,
         features: np.ndarray | None = None,
-    ) -> tuple[bytes, asyncio.Queue[protocol.Message]]:
+    ) -> tuple[bytes, Inbox]:
         """Open a session; returns its tag and the queue its proposals arrive on.
 
         Raises HubUnavailable after ``timeout`` (an OPENED arriving later is closed at once).
         """
         ref = next(self._refs)
-        inbox: asyncio.Queue[protocol.Message] = asyncio.Queue(INBOX_LIMIT)
-        self._waiting[ref] = inbox
+        inbox = self._routes.expect(ref)
         offered = self.welcome.push if self.welcome is not None else 0
         msg = Open(
             ref,
@@ -345,7 +337,7 @@ class HubClient:
                 raise
             raise HubUnavailable(f"no OPENED within {timeout:.2f} s") from None
         finally:
-            self._waiting.pop(ref, None)
+            self._routes.forget(ref)
         if isinstance(reply, Error):
             raise HubError(reply.code, printable(reply.message))
         if not isinstance(reply, Opened):  # e.g. a proposal ahead of its OPENED
@@ -369,15 +361,8 @@ class HubClient:
         when none was accepted); None after a chain (Draft.path absent)."""
         ids = np.asarray(appended, dtype=np.int32)
         nodes = None if path is None else np.asarray(path, dtype=np.int32).reshape(-1)
-        self._grant(tag, 0 if taken else 1)
+        self._routes.grant(tag, 0 if taken else 1)
         await transport.send(self.sock, Draft(tag, seq, accepted, ids, features, taken, path=nodes))
-
-    def _grant(self, tag: bytes, proposals: int) -> None:
-        """What the hub may send ``tag`` for one request: ``proposals`` and the branches the
-        session asked for (at most two requests' worth outstanding)."""
-        if tag in self._credit:
-            allowance = 1 + self.info.push
-            self._credit[tag] = min(2 * allowance, self._credit[tag] + proposals + self.info.push)
 
     async def stats(self, timeout: float = 10.0) -> Stats:
         """The hub's counters (STATS_REQUEST -> STATS)."""
@@ -392,8 +377,7 @@ class HubClient:
 
     async def close_session(self, tag: bytes) -> None:
         """Tell the hub the sequence is finished; stop routing messages for it."""
-        self._waiting.pop(tag, None)
-        self._credit.pop(tag, None)
+        self._routes.forget(tag)
         await transport.send(self.sock, Close(tag))
 
     async def aclose(self) -> None:
@@ -412,7 +396,7 @@ class HubClient:
             read += 1
             if read % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # zmq.asyncio returns ready messages without yielding
-            if not self._budget.take(_BUDGET_KEY, len(self._credit)):
+            if not self._budget.take(_BUDGET_KEY, len(self._routes)):
                 self._drop("over its budget")
                 continue
             try:
@@ -484,36 +468,29 @@ class HubClient:
 
     def _proposal(self, tag: bytes, msg: Proposal) -> bool:
         """A proposal or pushed branch for a session of ours, within what it asked for."""
-        credit = self._credit.get(tag, 0)
-        if credit <= 0:
+        if not self._routes.spend(tag):
             self._drop("a proposal nobody asked for")
             return False
-        self._credit[tag] = credit - 1
         self._deliver(tag, msg)
         return True
 
     def _opened(self, ref: int, tag: bytes, msg: Opened) -> bool:
-        # Register the tag before anything else is read: PROPOSAL seq 0 may be next.
-        inbox = self._waiting.pop(ref, None)
-        if inbox is None or tag in self._waiting:  # its OPEN timed out, or a second OPENED
-            if tag not in self._waiting and tag not in self._credit:
+        # Route the tag before anything else is read: PROPOSAL seq 0 may be next.
+        known = self._routes.known(tag)
+        inbox = self._routes.open_session(ref, tag)
+        if inbox is None:  # its OPEN timed out, or a second OPENED
+            if not known:
                 self._send_soon(Close(tag))  # nobody wants this session (never one of ours)
             return False
-        self._waiting[tag] = inbox
-        self._credit[tag] = 1 + self.info.push
         self._put(inbox, msg)
         return True
 
-    def _close_unclaimed(self, inbox: asyncio.Queue[protocol.Message]) -> None:
+    def _close_unclaimed(self, inbox: Inbox) -> None:
         """Close a session whose OPENED reached the inbox but not the caller (it timed out or
         was cancelled at that moment, e.g. an HTTP client went away): else it would stay open
         on the hub until this target's lease ends."""
-        while not inbox.empty():
-            msg = inbox.get_nowait()
-            if isinstance(msg, Opened):
-                self._waiting.pop(msg.tag, None)
-                self._credit.pop(msg.tag, None)
-                self._send_soon(Close(msg.tag))
+        for tag in self._routes.unclaimed(inbox):
+            self._send_soon(Close(tag))
 
     def _hub_lost(self, msg: Error) -> None:
         if self._hello is not None and not self._hello.done():
@@ -527,13 +504,13 @@ class HubClient:
             self._drop(f"could not send {type(msg).__name__}: the hub is not reading")
 
     def _deliver(self, key: int | bytes, msg: protocol.Message) -> bool:
-        inbox = self._waiting.get(key)
+        inbox = self._routes.inbox(key)
         if inbox is None:
             log.debug("dropped %s for a finished sequence", type(msg).__name__)
             return False
         return self._put(inbox, msg)
 
-    def _put(self, inbox: asyncio.Queue[protocol.Message], msg: protocol.Message) -> bool:
+    def _put(self, inbox: Inbox, msg: protocol.Message) -> bool:
         try:
             inbox.put_nowait(msg)
         except asyncio.QueueFull:

@@ -61,7 +61,7 @@ async def test_an_opened_nobody_claims_is_closed(how: str, monkeypatch: pytest.M
             assert task.result()[0] == tag and not closes
             return
         assert closes == [Close(tag)]
-        assert tag not in client._waiting
+        assert not client._routes.known(tag)
     finally:
         await client.aclose()
         ctx.term()
