@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from procs import ENV, REPO
 
-from scripts.train import real_target
+from scripts.train import real_target, smollm2_wheel
 
 INSTALLED = real_target.DEFAULT_OUT
-CACHED_WHEEL = real_target.WHEEL_CACHE / real_target.WHEEL_NAME
+CACHED_WHEEL = smollm2_wheel.WHEEL_CACHE / smollm2_wheel.WHEEL_NAME
 
 
 def _convert(wheel: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -27,7 +27,7 @@ def test_a_wheel_with_the_wrong_sha256_is_refused_naming_it(
 ) -> None:
     """Catches a conversion of whatever file sits in the cache (a damaged download, another
     version): the sha256 is pinned."""
-    wheel = tmp_path / real_target.WHEEL_NAME
+    wheel = tmp_path / smollm2_wheel.WHEEL_NAME
     wheel.write_bytes(b"not the wheel")
     code, err = _convert(wheel, tmp_path / "out", capsys)
     assert code == 2 and str(wheel) in err and "sha256" in err and "expected" in err
@@ -45,9 +45,9 @@ def test_a_truncated_wheel_is_refused_and_the_old_directory_kept(
     """With the sha256 check passed (pinned to the damaged file's own), the zip reader names
     the problem; the existing directory is untouched. Catches a half-written directory."""
     assert CACHED_WHEEL.is_file(), "make install caches the wheel"
-    wheel = tmp_path / real_target.WHEEL_NAME
+    wheel = tmp_path / smollm2_wheel.WHEEL_NAME
     wheel.write_bytes(CACHED_WHEEL.read_bytes()[: 1 << 20])
-    monkeypatch.setattr(real_target, "WHEEL_SHA256", real_target.sha256_of(wheel))
+    monkeypatch.setattr(smollm2_wheel, "WHEEL_SHA256", smollm2_wheel.sha256_of(wheel))
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("old")
@@ -60,10 +60,10 @@ def test_a_truncated_wheel_is_refused_and_the_old_directory_kept(
 def test_a_corrupt_gguf_is_refused_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    wheel = tmp_path / real_target.WHEEL_NAME
+    wheel = tmp_path / smollm2_wheel.WHEEL_NAME
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr(real_target.GGUF_MEMBER, b"GGUF" + bytes(200))
-    monkeypatch.setattr(real_target, "WHEEL_SHA256", real_target.sha256_of(wheel))
+        archive.writestr(smollm2_wheel.GGUF_MEMBER, b"GGUF" + bytes(200))
+    monkeypatch.setattr(smollm2_wheel, "WHEEL_SHA256", smollm2_wheel.sha256_of(wheel))
     code, err = _convert(wheel, tmp_path / "out", capsys)
     assert code == 2 and "SmolLM2-135M-Instruct.Q4_1.gguf" in err and "GGUF" in err
     assert not (tmp_path / "out").exists()
