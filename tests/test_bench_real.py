@@ -76,13 +76,20 @@ def test_each_plotted_mode_gets_the_prediction_of_its_own_load() -> None:
     """Catches a batched mode plotted beside the one-target prediction (or none)."""
     result = {
         "predicted": {"g1": 0.7, "g2": 0.6, "auto": 1.0},
-        "predicted_batched": {"c8": {"auto": 1.2}, "3t": {"auto": 1.1}},
+        "predicted_batched": {
+            "c8": {"auto": 1.2},
+            "3t": {"auto": 1.1},
+            "e3-c8": {"g1": 1.3, "auto": 1.25},
+        },
     }
     assert predicted_for(result, "hub-g2") == 0.6
     assert predicted_for(result, "central-g1") == 0.7
     assert predicted_for(result, "hub-auto") == 1.0
     assert predicted_for(result, "hub-auto-c8") == 1.2
     assert predicted_for(result, "hub-3t") == 1.1
+    assert predicted_for(result, "hub-e3-auto-c8") == 1.25  # the head's costs, not the LLM's
+    assert predicted_for(result, "hub-e3-g1-c8") == 1.3
+    assert math.isnan(predicted_for(result, "hub-e3-auto-c4"))
     assert math.isnan(predicted_for(result, "prompt-lookup"))
 
 
@@ -113,3 +120,28 @@ def test_a_subset_of_modes_keeps_its_baselines_and_the_models_inputs() -> None:
         "standalone-c4",
         "hub-auto-c4",
     ]
+
+
+def test_a_subset_runs_the_centralized_trees_only_for_a_tree_mode() -> None:
+    """Catches ``--modes hub-e3-auto-c8`` paying for every token tree in process (minutes of
+    runs no prediction of it reads), or a tree mode run without its trees' costs."""
+    names = [
+        "standalone",
+        "standalone-inproc",
+        "central-e3-g1",
+        "central-e3-t2x4n8",
+        "standalone-c8",
+        "hub-e3-auto-c8",
+        "hub-e3-g1-c8",
+        "hub-e3-trees",
+    ]
+    modes = {n: (lambda: {}) for n in names}
+    assert list(real.selected(modes, ["hub-e3-auto-c8", "hub-e3-g1-c"])) == [
+        "standalone",
+        "standalone-inproc",
+        "central-e3-g1",
+        "standalone-c8",
+        "hub-e3-auto-c8",
+        "hub-e3-g1-c8",
+    ]
+    assert "central-e3-t2x4n8" in real.selected(modes, ["hub-e3-trees"])

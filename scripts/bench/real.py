@@ -14,7 +14,8 @@ drifts up to 3x within minutes), over held-out chat prompts, greedy:
 * ``prompt-lookup``: transformers' prompt lookup decoding; ``assisted``: transformers' assisted
   generation with its defaults and the same draft, given the target's vocabulary in this process
   (``scripts.bench.assisted.in_target_vocabulary``): the single-process peers;
-* at ``--concurrency`` 4 and 8: ``standalone-cN`` and ``hub-auto-cN``;
+* at ``--concurrency`` 4 and 8: ``standalone-cN`` and ``hub-auto-cN`` (the draft LLM), and
+  with the EAGLE-3 head ``hub-e3-auto-cN`` and ``hub-e3-g1-cN``;
 * with ``models/smollm2-eagle3`` present (``make real-eagle-heads``), a second hub drafting
   with that EAGLE-3 head: ``hub-e3-auto``, ``hub-e3-g1``, ``hub-e3-g2``, and the centralized
   loop with the head, ``central-e3-g1/g2/g4`` (the model's inputs for the head);
@@ -266,6 +267,11 @@ def batched_predictions(runs: dict[str, dict], costs: dict[str, Any]) -> dict[st
     accepted = {g: runs[f"central-g{g}"]["mean_accepted"] for g in CENTRAL_GAMMAS}
     out = {f"c{n}": real_costs.one_target_batched(costs, accepted, n) for n in CONCURRENCIES}
     out[f"{MANY_TARGETS}t"] = real_costs.many_targets(costs, accepted, MANY_TARGETS)
+    if "draft_ms_e3" in costs and "central-e3-g1" in runs:  # the EAGLE-3 head's S(B, g)
+        head_costs = {**costs, "draft_ms": costs["draft_ms_e3"]}
+        head = {g: runs[f"central-e3-g{g}"]["mean_accepted"] for g in CENTRAL_GAMMAS}
+        for n in CONCURRENCIES:
+            out[f"e3-c{n}"] = real_costs.one_target_batched(head_costs, head, n)
     return out
 
 
@@ -320,6 +326,9 @@ def plan(b: Bench, quick: bool) -> dict[str, Mode]:
     for n in CONCURRENCIES:
         modes[f"standalone-c{n}"] = b.cli(chat_rows(n), n, "--standalone")
         modes[f"hub-auto-c{n}"] = b.hub(chat_rows(n), n)
+        if b.eagle3 is not None:
+            modes[f"hub-e3-auto-c{n}"] = b.hub(chat_rows(n), n, drafter="e3")
+            modes[f"hub-e3-g1-c{n}"] = b.hub(chat_rows(n), n, "--gamma", "1", drafter="e3")
     groups = [chat_rows(3, 3 * i) for i in range(MANY_TARGETS)]
     modes[f"standalone-{MANY_TARGETS}t"] = lambda: run_many(
         groups, b.work, b.tokens, ["--standalone"]
@@ -333,18 +342,26 @@ def plan(b: Bench, quick: bool) -> dict[str, Mode]:
 # loop's costs and acceptance that the model's predictions are made from.
 MODEL_INPUTS = ("standalone", "standalone-inproc")
 MODEL_INPUT_PREFIX = "central-"
+TREE_MODE_PREFIXES = ("hub-e3-trees", "hub-e3-chains", "central-e3-t")
 
 
 def selected(modes: dict[str, Mode], prefixes: Sequence[str]) -> dict[str, Mode]:
     """The modes whose names start with one of ``prefixes``, their baselines, and the model's
-    inputs (:data:`MODEL_INPUTS`, the centralized runs); every mode when ``prefixes`` is
-    empty."""
+    inputs (:data:`MODEL_INPUTS`, the centralized chains; the centralized trees only when a
+    tree mode is asked for); every mode when ``prefixes`` is empty."""
     if not prefixes:
         return modes
     asked = [m for m in modes if m.startswith(tuple(prefixes))]
     baselines = paired_baselines(False)
     wanted = {*MODEL_INPUTS, *asked, *(baselines[m] for m in asked if m in baselines)}
-    return {m: f for m, f in modes.items() if m in wanted or m.startswith(MODEL_INPUT_PREFIX)}
+    trees = any(m.startswith(TREE_MODE_PREFIXES) for m in asked)
+    inputs = {m for m in modes if m.startswith(MODEL_INPUT_PREFIX) and (trees or not is_tree(m))}
+    return {m: f for m, f in modes.items() if m in wanted | inputs}
+
+
+def is_tree(mode: str) -> bool:
+    """Whether ``mode`` is a centralized run of a token tree."""
+    return mode.removeprefix("central-e3-") in TREE_SHAPES
 
 
 def eagle3_modes(
@@ -395,7 +412,11 @@ def medians(runs: dict[str, list[dict]]) -> dict[str, dict]:
 def paired_baselines(quick: bool) -> dict[str, str]:
     if quick:
         return {}
-    pairs = {f"hub-auto-c{n}": f"standalone-c{n}" for n in CONCURRENCIES}
+    pairs = {
+        f"{mode}-c{n}": f"standalone-c{n}"
+        for n in CONCURRENCIES
+        for mode in ("hub-auto", "hub-e3-auto", "hub-e3-g1")
+    }
     return pairs | {f"hub-{MANY_TARGETS}t": f"standalone-{MANY_TARGETS}t"}
 
 
@@ -428,8 +449,11 @@ def predicted_for(result: dict[str, Any], mode: str) -> float:
     key = mode.removeprefix("hub-").removeprefix("central-")
     if key in pred:
         return pred[key]
-    if mode.startswith("hub-auto-c"):
-        return batched.get(mode.removeprefix("hub-auto-"), {}).get("auto", float("nan"))
+    for prefix, drafter in (("hub-auto-c", ""), ("hub-e3-auto-c", "e3-"), ("hub-e3-g1-c", "e3-")):
+        if mode.startswith(prefix):
+            concurrency = "c" + mode.removeprefix(prefix)
+            gamma = "g1" if "-g1-" in mode else "auto"
+            return batched.get(drafter + concurrency, {}).get(gamma, float("nan"))
     if mode.startswith("hub-") and mode.endswith("t"):
         return batched.get(mode.removeprefix("hub-"), {}).get("auto", float("nan"))
     return float("nan")
@@ -473,6 +497,10 @@ def run(args: argparse.Namespace, procs: Processes, work: Path) -> dict[str, Any
     result = {"max_new_tokens": tokens, "repeats": repeats, **summarise(runs, args.quick)}
     sizes, cost_repeats = ((1,), 2) if args.quick else (COST_SIZES, 6)
     costs = real_costs.measure(bench.target, bench.proposer, sizes, CENTRAL_GAMMAS, cost_repeats)
+    if bench.eagle3 is not None:
+        costs["draft_ms_e3"] = real_costs.draft_ms(
+            bench.eagle3, bench.target.vocab_size, sizes, CENTRAL_GAMMAS, cost_repeats
+        )
     if not args.quick:
         result["predicted_batched"] = batched_predictions(runs, costs)
     result["costs"] = costs

@@ -86,13 +86,20 @@ def measure(
     """T(B), V(B, g) and S(B, g) in milliseconds, keyed by str(B) then str(g) (JSON)."""
     print(f"[costs] T, V and S at B = {list(sizes)}, gamma = {list(gammas)} ...", flush=True)
     forward = time_target(target, sizes, [1, *(g + 1 for g in gammas)], repeats)
-    drafts = time_drafts(proposer, target.vocab_size, sizes, gammas, repeats)
     ms = 1e3
     return {
         "step_ms": {str(b): ms * forward[b][1] for b in sizes},
         "verify_ms": {str(b): {str(g): ms * forward[b][g + 1] for g in gammas} for b in sizes},
-        "draft_ms": {str(b): {str(g): ms * drafts[b][g] for g in gammas} for b in sizes},
+        "draft_ms": draft_ms(proposer, target.vocab_size, sizes, gammas, repeats),
     }
+
+
+def draft_ms(
+    proposer: Proposer, vocab: int, sizes: Sequence[int], gammas: Sequence[int], repeats: int
+) -> dict[str, dict[str, float]]:
+    """S(B, g) of ``proposer`` in milliseconds, keyed by str(B) then str(g) (JSON)."""
+    drafts = time_drafts(proposer, vocab, sizes, gammas, repeats)
+    return {str(b): {str(g): 1e3 * drafts[b][g] for g in gammas} for b in sizes}
 
 
 def expected_tokens(mean_accepted: float, gamma: int) -> float:
