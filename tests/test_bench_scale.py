@@ -10,6 +10,7 @@ import pytest
 from scripts.bench import harness, scale_report
 from scripts.bench import run as bench
 from scripts.bench import service as bench_service
+from scripts.bench import targets as bench_targets
 from scripts.emulate.report import service_curve
 from starsd import analytic
 from starsd.protocol import Stats, curve_arrays
@@ -223,7 +224,7 @@ def test_main_suite_pairs_batched_with_one_at_a_time() -> None:
         ("one-for-many-batched", 4, 64, 2),
     ]
     rows = [{"token_ids": [0] * 30, "stats": {"tokens_per_s": 10.0}}] * 2
-    assert bench.decode_seconds(rows, 2) == pytest.approx(3.0)
+    assert bench_targets.decode_seconds(rows, 2) == pytest.approx(3.0)
     runs = [
         {"mode": "one-for-many-batched", "n_targets": 2, "system_tokens_per_s": 300.0},
         {"mode": "one-for-many-one-at-a-time", "n_targets": 2, "system_tokens_per_s": 200.0},

@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,123 +35,19 @@ from scripts.bench.harness import (
     start_hub,
     start_hubs,
     stop,
-    write_prompts,
 )
 from scripts.bench.inproc import PROMPTS, bench_centralized, bench_standalone, eagle_drafter
+from scripts.bench.run_report import label, markdown, plot
+from scripts.bench.targets import (
+    busy_between,
+    decode_seconds,
+    proposal_bytes,
+    run_targets,
+    targets_record,
+)
 from starsd import analytic, models, transport
 from starsd.hub.drafters.base import Proposer
 from starsd.hub.drafters.llm import LlmProposer
-from starsd.protocol import Stats
-
-# ---------------------------------------------------------------------- multi-process modes
-
-
-def busy_between(before: Stats, after: Stats) -> tuple[float, float]:
-    """(hub busy fraction, mean queue wait ms) between two STATS replies."""
-    wall = after.wall_s - before.wall_s
-    jobs = max(after.jobs - before.jobs, 1)
-    return (
-        (after.busy_s - before.busy_s) / wall if wall > 0 else 0.0,
-        1e3 * (after.queue_wait_s - before.queue_wait_s) / jobs,
-    )
-
-
-def run_targets(
-    cfg: BenchConfig,
-    procs: Processes,
-    work: Path,
-    endpoints: list[str],
-    tag: str,
-    prefixes: list[list[str]] | None = None,
-    concurrency: int = 1,
-    extra: Sequence[str] = (),
-    cpus: set[int] | None = None,
-) -> list[list[dict]]:
-    """One target process per endpoint, all at once, each on the full prompt set.
-
-    ``prefixes`` (one per target) run a target elsewhere, e.g. ``ip netns exec NS``;
-    ``concurrency``: sequences each target keeps in flight (``--concurrency``); ``extra``: more
-    ``edge.target`` options, after (so overriding) these, e.g. ``--gamma 0``; ``cpus``: confine
-    the targets to these CPUs.
-    """
-    prompts = work / "prompts.jsonl"
-    write_prompts(prompts, PROMPTS)
-    running = []
-    for i, endpoint in enumerate(endpoints):
-        out = work / f"{tag}-{i}.jsonl"
-        args = [
-            "-m",
-            "edge.target",
-            "--hub",
-            endpoint,
-            "--model",
-            cfg.target,
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(out),
-            "--max-new-tokens",
-            str(cfg.max_new_tokens),
-            "--gamma",
-            str(cfg.gamma),
-            "--concurrency",
-            str(concurrency),
-            *extra,
-        ]
-        prefix = prefixes[i] if prefixes else None
-        running.append((procs.start(args, work / f"{tag}-{i}.log", prefix, cpus), out))
-    rows = []
-    for proc, out in running:
-        if proc.wait(timeout=900) != 0:
-            raise RuntimeError(f"{tag}: a target failed; see {out.with_suffix('.log')}")
-        rows.append([json.loads(line) for line in out.read_text().splitlines()])
-    return rows
-
-
-def decode_seconds(target_rows: list[dict], concurrency: int = 1) -> float:
-    """A target's decoding time: its sequences' own times, ``concurrency`` of them at once."""
-    return sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in target_rows) / concurrency
-
-
-def targets_record(
-    mode: str, rows: list[list[dict]], gamma: int, concurrency: int = 1, **fields: Any
-) -> dict:
-    """Aggregate target JSONL rows into a record (tokens/s from each sequence's own time; with
-    ``concurrency`` > 1 that many sequences of a target decode at once)."""
-    per_target, lat, rounds, accepted = [], [], 0, 0
-    for target_rows in rows:
-        tokens = sum(len(r["token_ids"]) for r in target_rows)
-        per_target.append(tokens / decode_seconds(target_rows, concurrency))
-        for r in target_rows:
-            rounds += r["stats"]["rounds"]
-            accepted += r["stats"]["accepted"]
-            lat.append(r["stats"]["latency_ms"])
-    return run_record(
-        mode,
-        len(rows),
-        system_tokens_per_s=sum(per_target),
-        per_target_tokens_per_s=sum(per_target) / len(rows),
-        acceptance_rate=accepted / max(rounds * gamma, 1),
-        mean_accepted=accepted / max(rounds, 1),
-        latency_ms={k: sum(x[k] for x in lat) / len(lat) for k in ("mean", "p50", "p99", "std")},
-        concurrency=concurrency,
-        **fields,
-    )
-
-
-def proposal_bytes(gamma: int) -> float:
-    """Bytes on the wire per greedy round: PROPOSAL + DRAFT, as encoded (plus ZMTP framing)."""
-    import numpy as np
-
-    from starsd import protocol
-
-    tag = b"\x00" * protocol.TAG_BYTES
-    sizes: list[protocol.Message] = [
-        protocol.Proposal(tag, 1, np.zeros(gamma, np.int32)),
-        protocol.Draft(tag, 1, 2, np.zeros(1, np.int32)),
-    ]
-    return float(sum(len(bytes(f)) + 2 for m in sizes for f in protocol.encode(m)))
-
 
 # ---------------------------------------------------------------------- suites
 
@@ -263,7 +158,7 @@ def suite_main(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
             "llm_mean_accepted": measured["mean_accepted"],
         },
         "speedup_vs_standalone": {
-            f"{_label(r)}/{r['n_targets']}": r["system_tokens_per_s"] / base for r in runs
+            f"{label(r)}/{r['n_targets']}": r["system_tokens_per_s"] / base for r in runs
         },
     }
 
@@ -422,100 +317,6 @@ def predicted(
     return analytic.predict(with_curve, sessions).system_tokens_per_s
 
 
-# ---------------------------------------------------------------------- report
-
-
-def markdown(result: dict) -> str:
-    """The runs as a short markdown table, then the paired and pre-drafting comparisons."""
-    lines = [
-        runs_table(result),
-        *bench_assisted.markdown(result.get("vs_hf_assisted")),
-        *bench_predraft.markdown(result.get("predraft")),
-    ]
-    return "\n".join(lines)
-
-
-def runs_table(result: dict) -> str:
-    """The runs as a short markdown table."""
-    lines = [
-        "| mode | N | system tok/s | predicted | per-target tok/s | hub busy | "
-        "mean accepted | latency mean/p99/std ms |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["runs"]:
-        lat = r["latency_ms"] or {}
-        lines.append(
-            f"| {_label(r)} | {r['n_targets']} | {r['system_tokens_per_s']:.1f} | "
-            f"{_fmt(r['predicted_system_tokens_per_s'])} | {r['per_target_tokens_per_s']:.1f} | "
-            f"{_fmt(r['hub_busy_fraction'], 2)} | {_fmt(r['mean_accepted'], 2)} | "
-            f"{lat.get('mean', 0):.2f}/{lat.get('p99', 0):.2f}/{lat.get('std', 0):.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def _label(record: dict) -> str:
-    kind = record.get("draft_kind")
-    return f"{record['mode']} ({kind})" if kind and kind != "llm" else record["mode"]
-
-
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def plot(result: dict, path: Path) -> None:
-    """Measured against predicted system throughput per run; for the main suite also the
-    batched hub against the one-at-a-time hub per N."""
-    if result["suite"] == "scale":
-        scale_report.plot(result, path)
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = result["runs"]
-    pairs = result.get("batched_vs_one_at_a_time") or {}
-    fig, axes = plt.subplots(
-        1,
-        2 if pairs else 1,
-        figsize=(13 if pairs else 8, 4.8),
-        gridspec_kw={"width_ratios": [2.2, 1]} if pairs else None,
-        squeeze=False,
-    )
-    ax = axes[0][0]
-    labels = [f"{_label(r)}\nN={r['n_targets']}" for r in runs]
-    ax.bar(labels, [r["system_tokens_per_s"] for r in runs], label="measured")
-    modelled = [
-        (lab, r["predicted_system_tokens_per_s"])
-        for lab, r in zip(labels, runs, strict=True)
-        if r["predicted_system_tokens_per_s"] is not None
-    ]
-    ax.scatter(
-        [lab for lab, _ in modelled], [p for _, p in modelled], c="red", zorder=3, label="model"
-    )
-    ax.set(ylabel="system tokens/s")
-    ax.tick_params(axis="x", labelsize=6, labelrotation=90)
-    ax.legend()
-    ax.set_title(f"StarSD {result['suite']} benchmark")
-    if pairs:
-        ax2 = axes[0][1]
-        ns = sorted(pairs, key=int)
-        width = 0.38
-        xs = range(len(ns))
-        for offset, key, label in (
-            (-width / 2, "one_at_a_time", "--max-batch 1"),
-            (width / 2, "batched", "batched"),
-        ):
-            ax2.bar(
-                [x + offset for x in xs], [pairs[n].get(key, 0) for n in ns], width, label=label
-            )
-        ax2.set_xticks(list(xs), [f"N={n} x {BATCHED_CONCURRENCY}" for n in ns])
-        ax2.set(ylabel="system tokens/s", title="one hub: batched vs one at a time")
-        ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     """argparse -> BenchConfig (--quick shortens every run)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -668,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     out = REPO / cfg.out_dir / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    plot(result, out.with_suffix(".png"))
+    plot(result, out.with_suffix(".png"), BATCHED_CONCURRENCY)
     print(scale_report.markdown(result) if cfg.suite == "scale" else markdown(result))
     print({k: v for k, v in result.items() if k not in ("runs", "config")})
     if result.get("plan_check"):
