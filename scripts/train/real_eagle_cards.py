@@ -24,6 +24,14 @@ def comparison_table(evaluation: dict[str, Any]) -> list[str]:
     return [header, "|---|" + "---|" * len(gammas), *rows]
 
 
+def vocab_words(report: dict[str, Any]) -> str:
+    """Where the heads' draft vocabulary came from, in words."""
+    cfg, size = report["config"], report["data"].get("draft_vocab")
+    if not cfg.get("draft_vocab"):
+        return f"{size or 4096}-token draft vocabulary shared with `{cfg['draft_dir']}`"
+    return f"{size}-token draft vocabulary: the tokens the training answers use most"
+
+
 def what_it_is(kind: str, report: dict[str, Any]) -> list[str]:
     """The card's first paragraph: the head's layout and how to serve it."""
     cfg = report["config"]
@@ -33,8 +41,8 @@ def what_it_is(kind: str, report: dict[str, Any]) -> list[str]:
             f"An **EAGLE-3 draft head** for `{target}` in vLLM speculators' layout",
             "(`speculators_model_type: eagle3`): `fc` over the target's hidden states at layers",
             "2, 15 and 27 (transformers' `hidden_states[i]`, side by side), one decoder layer",
-            "over [embedding, hidden state], a final norm and an LM head over the 4096-token",
-            f"draft vocabulary of `{cfg['draft_dir']}` (`d2t` / `t2d`).",
+            "over [embedding, hidden state], a final norm and an LM head over a",
+            f"{vocab_words(report)} (`d2t` / `t2d`).",
         ]
     else:
         body = [

@@ -10,7 +10,7 @@ Data: the real draft's self-distillation records (SmolLM2's greedy answers to ch
 training split, each sequence the chat prompt followed by its answer, right-padded. One
 teacher-forced forward of the target (float32, stored float16) gives the hidden states at the
 EAGLE-3 head's layers (``default_layer_ids(30)``), the post-norm last hidden state (EAGLE-1's
-feature) and the logits over the draft LLM's 4096-token vocabulary.
+feature) and the logits over the heads' draft vocabulary (the draft LLM's 4096 tokens).
 
 Loss positions: the answer's only (each answer token's distribution, the first one predicted at
 the prompt's last position); the prompt, the same system prompt in every record, is context.
@@ -38,6 +38,7 @@ import torch
 from scripts.train import real_data
 from scripts.train.config_args import parse_config
 from scripts.train.eagle_head_data import EagleTrainConfig
+from scripts.train.real_draft import choose_vocab, coverage
 from scripts.train.real_eagle_cards import write_cards
 from scripts.train.train_eagle3_head import (
     Eagle3TrainConfig,
@@ -61,7 +62,7 @@ class RealHeadsConfig:
     """The recipe's knobs; the defaults make models/smollm2-eagle3 and models/smollm2-eagle."""
 
     target_dir: Path = Path("models/smollm2-135m-instruct")
-    draft_dir: Path = Path("models/smollm2-draft")  # compared with; its vocabulary is reused
+    draft_dir: Path = Path("models/smollm2-draft")  # compared with
     eagle3_dir: Path = Path("models/smollm2-eagle3")
     eagle1_dir: Path = Path("models/smollm2-eagle")
     data_path: Path = real_data.DATA_PATH
@@ -72,6 +73,7 @@ class RealHeadsConfig:
     lr: float = 1e-3
     warmup_steps: int = 30
     ttt_steps: int = 3  # EAGLE-3's training-time-test passes
+    draft_vocab: int = 0  # 0: the draft LLM's vocabulary; K: the K tokens the answers use most
     eagle1_depth: int = 1  # EAGLE-1 as published: no training-time test
     gammas: str = "1,2,4,8"
     eval_prompts: int = 8
@@ -90,6 +92,27 @@ class TeacherData:
     taps: torch.Tensor  # [N, T, 3H] hidden states at the EAGLE-3 head's layers
     logits: torch.Tensor  # [N, T, K] over the draft vocabulary
     last: torch.Tensor  # [N, T, H] post-norm last hidden state
+
+
+def head_vocab(
+    config: RealHeadsConfig, target: models.LoadedModel, train_set: list[Record]
+) -> DraftVocab:
+    """The heads' draft vocabulary: the draft LLM's own (``draft_vocab`` 0, the default), or
+    the ``draft_vocab`` tokens the training answers (and their alternatives) use most.
+
+    The draft LLM's 4096 tokens, chosen from its 480 conversations, hold 88% of the held-out
+    answers' tokens (a token outside can never be accepted); 8192 chosen from the heads' 1920
+    hold 93.5%. Yet with 8192 both heads accepted less on held-out chats (EAGLE-3 0.43 / 0.72
+    drafts per round at gamma 1 / 4 against 0.46 / 0.74; EAGLE-1 0.42 / 0.67 against
+    0.44 / 0.65) and the EAGLE-3 head drafted 18% slower: the tokens it adds are rare, and
+    the same data spread over twice the classes. Hence the default.
+    """
+    if config.draft_vocab:
+        return choose_vocab(train_set, target, config.draft_vocab)
+    vocab = load_draft_vocab(config.draft_dir)
+    if vocab is None:
+        raise SystemExit(f"{config.draft_dir} has no draft vocabulary to share")
+    return vocab
 
 
 def load_records(config: RealHeadsConfig) -> tuple[list[Record], list[Record]]:
@@ -225,10 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(config.threads)
     began = time.perf_counter()
     target = models.load_causal_lm(config.target_dir)
-    vocab = load_draft_vocab(config.draft_dir)
-    if vocab is None:
-        raise SystemExit(f"{config.draft_dir} has no draft vocabulary to share")
     train_set, held_out = load_records(config)
+    vocab = head_vocab(config, target, train_set)
     layers = head_config(target.model, vocab).layer_ids
     data = teacher_data(target, train_set, layers, vocab)
     times = {"features": time.perf_counter() - began}
@@ -244,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "config": asdict(config),
         "data": {
+            "draft_vocab": vocab.size,
+            "held_out_coverage": round(coverage(held_out, vocab), 4),
             "sequences": int(data.tokens.shape[0]),
             "width": int(data.tokens.shape[1]),
             "loss_positions": int(data.mask.sum()),
