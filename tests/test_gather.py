@@ -73,3 +73,53 @@ def test_a_job_due_shortly_joins_the_batch() -> None:
     batch = engine._next_batch()
     assert batch is not None and [job.tag for job in batch] == [b"a", b"b"]
     assert time.perf_counter() - now < 0.4  # it came early: no wait for the deadline
+
+
+def test_a_cohorts_requests_sent_with_an_answer_are_due_now() -> None:
+    """Catches a hub that trusts each session's round trip for requests verified in one target
+    forward (their R swings with the forward's rows, so it drafted one forward's verdicts in two
+    batches), or that waits for a cohort's request sent after the answer (its target verifies
+    it in a later forward) or for another cohort's."""
+    returns = Returns()
+    for tag in (b"a", b"b", b"x"):  # round trips of 150 ms, learnt
+        returns.sent(tag, -0.15)
+        returns.arrived(tag, 0.0)
+    returns.sent(b"a", 0.0, cohort="t")
+    returns.sent(b"b", 0.0, cohort="t")  # drafted with a: verified with it
+    returns.sent(b"later", 0.005, cohort="t")  # drafted after: a later forward
+    returns.sent(b"x", 0.0, cohort="u")  # another target
+    arrival = returns.arrived(b"a", 0.1)  # a forward of 100 ms: R predicted 150
+    assert arrival == ("t", 0.0)
+    assert returns.due(0.1, 0.01) == (0, 0.1)  # by round trips alone: nobody is due
+    assert returns.due(0.1, 0.01, [arrival]) == (1, 0.1 + 0.01)  # b: due now, wait the window
+    assert returns.due(0.1, 0.01, [None]) == (0, 0.1)  # an answer without a cohort
+
+
+def test_a_targets_verdicts_on_one_forward_are_drafted_in_one_batch() -> None:
+    """Catches the engine splitting one target's verdicts over two batches when its round
+    trips mispredict them (each batch then costs its own service time)."""
+    q: FairQueue[DraftJob] = FairQueue()
+    engine = DraftingEngine(
+        None,
+        Pacer(GammaPolicy(), None),
+        q,
+        None,
+        threading.Lock(),
+        None,
+        None,  # type: ignore[arg-type]
+        max_batch=8,
+    )
+    assert engine.returns is not None
+    engine.service_s = 0.2
+    state = ChainState([1], SamplingParams(), 4, None)  # type: ignore[arg-type]
+    now = time.perf_counter()
+    for tag in (b"a", b"b"):
+        engine.returns.sent(tag, now - 1.0)
+        engine.returns.arrived(tag, now)  # R = 1 s: the next verdicts look 1 s away
+        engine.returns.sent(tag, now, cohort=b"target")
+    q.put(b"target", DraftJob(b"a", 1, state, 0, (), owner=b"target"))
+    job_b = DraftJob(b"b", 1, state, 0, (), owner=b"target")
+    threading.Timer(0.03, q.put, args=(b"target", job_b)).start()
+    batch = engine._next_batch()
+    assert batch is not None and [job.tag for job in batch] == [b"a", b"b"]
+    assert time.perf_counter() - now < 0.15  # it came early: no wait for the deadline

@@ -248,7 +248,7 @@ class DraftingEngine:
         for i, job in enumerate(batch):
             result = results[i]
             if id(job) in out and isinstance(result, Proposal) and not result.alone:
-                self.returns.sent(job.tag, now)
+                self.returns.sent(job.tag, now, cohort=job.owner or None)
 
     def _offer(
         self,
@@ -282,13 +282,13 @@ class DraftingEngine:
 
     def _gathered(self, batch: list[DraftJob]) -> list[DraftJob]:
         """``batch`` plus the jobs of sessions whose verdicts are due within one batch's
-        service time (see :mod:`starsd.gather`): one batch instead of two in turn."""
+        service time (see :mod:`starsd.gather`): one batch instead of two in turn. A target's
+        sessions are a cohort: its verdicts on one forward come back to back."""
         assert self.returns is not None
-        for job in batch:
-            self.returns.arrived(job.tag, job.enqueued_at)
+        arrivals = [self.returns.arrived(job.tag, job.enqueued_at) for job in batch]
         room = self.max_batch - len(batch)
         now = time.perf_counter()
-        due, latest = self.returns.due(now, self.service_s)
+        due, latest = self.returns.due(now, self.service_s, arrivals)
         if room <= 0 or due == 0:
             return batch
         self.q_in.wait_for(min(due, room), min(now + self.service_s, latest + _GATHER_SLACK_S))
