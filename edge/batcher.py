@@ -194,6 +194,10 @@ class Batcher:
                 batch = self._take()
                 if batch:
                     await self._run(batch)
+                    # Let the sequences just answered queue their next items first: else a
+                    # sequence that joined out of step (a new one after a prefill) stays out
+                    # of step, its forwards alternating with its batch mates' for good.
+                    await asyncio.sleep(0)
 
     def _timed(self, took: float) -> None:
         """A decoding forward took ``took`` seconds: the gathering window follows it."""
