@@ -50,7 +50,9 @@ class Returns:
         """A proposal for ``tag`` went out at ``at``; ``cohort``: whose answers come with it."""
         self.sent_at.pop(tag, None)
         self.sent_at[tag] = at
-        if cohort is not None:
+        if cohort is None:
+            self.cohort.pop(tag, None)  # (a request sent without one has none)
+        else:
             self.cohort[tag] = cohort
         while len(self.sent_at) > self.max_sessions:
             old, _ = self.sent_at.popitem(last=False)

@@ -14,6 +14,22 @@ from starsd.hub.scheduler import FairQueue
 from starsd.protocol import SamplingParams
 
 
+def _engine() -> tuple[FairQueue[DraftJob], DraftingEngine]:
+    """A drafting engine with no model, table or sender: only its batching is exercised."""
+    q: FairQueue[DraftJob] = FairQueue()
+    engine = DraftingEngine(
+        None,
+        Pacer(GammaPolicy(), None),
+        q,
+        None,
+        threading.Lock(),
+        None,
+        None,  # type: ignore[arg-type]
+        max_batch=8,
+    )
+    return q, engine
+
+
 def test_due_counts_only_verdicts_expected_within_the_window() -> None:
     """Catches waiting for a session whose round trip is unknown, one already overdue (it may
     decode alone or be gone: every batch would wait the whole window for it), or one not due
@@ -48,18 +64,7 @@ def test_wait_for_wakes_on_the_count_or_gives_up_at_the_deadline() -> None:
 def test_a_job_due_shortly_joins_the_batch() -> None:
     """Catches an engine that drafts whatever waits the moment it is free, so targets split
     into groups that take turns (measured: batches of 1 and 31 alternating at N = 32)."""
-    q: FairQueue[DraftJob] = FairQueue()
-    pacer = Pacer(GammaPolicy(), None)
-    engine = DraftingEngine(
-        None,
-        pacer,
-        q,
-        None,
-        threading.Lock(),
-        None,
-        None,  # type: ignore[arg-type]
-        max_batch=8,
-    )
+    q, engine = _engine()
     assert engine.returns is not None
     engine.service_s = 0.5  # one batch's service time: the longest worth waiting
     state = ChainState([1], SamplingParams(), 4, None)  # type: ignore[arg-type]
@@ -79,7 +84,7 @@ def test_a_cohorts_requests_sent_with_an_answer_are_due_now() -> None:
     """Catches a hub that trusts each session's round trip for requests verified in one target
     forward (their R swings with the forward's rows, so it drafted one forward's verdicts in two
     batches), or that waits for a cohort's request sent after the answer (its target verifies
-    it in a later forward) or for another cohort's."""
+    it in a later forward), for another cohort's, or for a request re-sent without one."""
     returns = Returns()
     for tag in (b"a", b"b", b"x"):  # round trips of 150 ms, learnt
         returns.sent(tag, -0.15)
@@ -88,6 +93,8 @@ def test_a_cohorts_requests_sent_with_an_answer_are_due_now() -> None:
     returns.sent(b"b", 0.0, cohort="t")  # drafted with a: verified with it
     returns.sent(b"later", 0.005, cohort="t")  # drafted after: a later forward
     returns.sent(b"x", 0.0, cohort="u")  # another target
+    returns.sent(b"moved", 0.0, cohort="t")
+    returns.sent(b"moved", 0.0)  # sent again without a cohort: it is in none
     arrival = returns.arrived(b"a", 0.1)  # a forward of 100 ms: R predicted 150
     assert arrival == ("t", 0.0)
     assert returns.due(0.1, 0.01) == (0, 0.1)  # by round trips alone: nobody is due
@@ -98,17 +105,7 @@ def test_a_cohorts_requests_sent_with_an_answer_are_due_now() -> None:
 def test_a_targets_verdicts_on_one_forward_are_drafted_in_one_batch() -> None:
     """Catches the engine splitting one target's verdicts over two batches when its round
     trips mispredict them (each batch then costs its own service time)."""
-    q: FairQueue[DraftJob] = FairQueue()
-    engine = DraftingEngine(
-        None,
-        Pacer(GammaPolicy(), None),
-        q,
-        None,
-        threading.Lock(),
-        None,
-        None,  # type: ignore[arg-type]
-        max_batch=8,
-    )
+    q, engine = _engine()
     assert engine.returns is not None
     engine.service_s = 0.2
     state = ChainState([1], SamplingParams(), 4, None)  # type: ignore[arg-type]
