@@ -31,7 +31,7 @@ forwards.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 _SMOOTHING = 0.3  # weight of the newest round trip in a session's R
 _LATE = 0.25  # a verdict this much of R past due is no longer waited for
@@ -58,6 +58,16 @@ class Returns:
             old, _ = self.sent_at.popitem(last=False)
             self.round_trip.pop(old, None)
             self.cohort.pop(old, None)
+
+    def prune(self, alive: Callable[[Hashable], bool]) -> int:
+        """Forget every session ``alive`` says has ended (its request will not be answered:
+        a cohort would wait the whole window for it each time); returns how many."""
+        gone = [tag for tag in self.round_trip.keys() | self.sent_at.keys() if not alive(tag)]
+        for tag in gone:
+            self.sent_at.pop(tag, None)
+            self.round_trip.pop(tag, None)
+            self.cohort.pop(tag, None)
+        return len(gone)
 
     def arrived(self, tag: Hashable, at: float) -> tuple[Hashable, float] | None:
         """The next job of ``tag`` was queued at ``at``: learn its round trip. Returns (its

@@ -287,9 +287,14 @@ class DraftingEngine:
         assert self.returns is not None
         arrivals = [self.returns.arrived(job.tag, job.enqueued_at) for job in batch]
         room = self.max_batch - len(batch)
+        if room <= 0:
+            return batch
+        with self.lock:  # a session closed with its proposal out never answers: not waited for
+            sessions = self.table.sessions
+            self.returns.prune(lambda tag: tag in sessions)
         now = time.perf_counter()
         due, latest = self.returns.due(now, self.service_s, arrivals)
-        if room <= 0 or due == 0:
+        if due == 0:
             return batch
         self.q_in.wait_for(min(due, room), min(now + self.service_s, latest + _GATHER_SLACK_S))
         more = self.q_in.take(room, block=False) or []
