@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+from pathlib import Path
 
 import pytest
 
+from edge import target
+from edge.batcher import BatchStats
+from edge.requests import Result
 from scripts.bench import real, real_costs
 from scripts.bench.real import predicted_for, predictions, proposal_bytes
 
@@ -145,3 +151,25 @@ def test_a_subset_runs_the_centralized_trees_only_for_a_tree_mode() -> None:
         "hub-e3-g1-c8",
     ]
     assert "central-e3-t2x4n8" in real.selected(modes, ["hub-e3-trees"])
+
+
+def test_a_streams_rate_is_read_from_the_targets_own_summary_line(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """Catches the benchmark parsing a summary line ``edge.target`` no longer writes (every
+    --concurrency mode would fail), or rating a stream by its sequences' summed decode times
+    (which leave out the slots a stream's tail leaves empty)."""
+    results = [Result(0, "p", "t", [1] * 100, {"rounds": 50, "accepted": 50})]
+    with caplog.at_level(logging.INFO, logger="edge.target"):
+        target._log_summary(results, 12.5, BatchStats())
+    assert real.run_wall_s(caplog.text) == 12.5
+    with pytest.raises(RuntimeError, match="no summary line"):
+        real.run_wall_s("edge.target ERROR hub gone")
+    line = {
+        "token_ids": [1] * 100,
+        "stats": {"tokens_per_s": 20.0, "rounds": 50, "accepted": 50, "alone_steps": 0},
+    }
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps(line) + "\n")
+    assert real.target_result(out)["tokens_per_s"] == pytest.approx(20.0)  # its decode time
+    assert real.target_result(out, wall_s=10.0)["tokens_per_s"] == pytest.approx(10.0)

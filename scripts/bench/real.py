@@ -15,7 +15,11 @@ drifts up to 3x within minutes), over held-out chat prompts, greedy:
   generation with its defaults and the same draft, given the target's vocabulary in this process
   (``scripts.bench.assisted.in_target_vocabulary``): the single-process peers;
 * at ``--concurrency`` 4 and 8: ``standalone-cN`` and ``hub-auto-cN`` (the draft LLM), and
-  with the EAGLE-3 head ``hub-e3-auto-cN`` and ``hub-e3-g1-cN``;
+  with the EAGLE-3 head ``hub-e3-auto-cN`` and ``hub-e3-g1-cN``: a stream of 3N chats, N at
+  a time (a server's load: a request starts as one ends), their rate over the run's wall time.
+  One closed batch of N would mostly measure its tail, where the batch thins as sequences end
+  (more so with speculation: its sequences end rounds apart), and the model describes full
+  batches;
 * with ``models/smollm2-eagle3`` present (``make real-eagle-heads``), a second hub drafting
   with that EAGLE-3 head: ``hub-e3-auto``, ``hub-e3-g1``, ``hub-e3-g2``, and the centralized
   loop with the head, ``central-e3-g1/g2/g4`` (the model's inputs for the head);
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -67,6 +72,7 @@ TARGET, DRAFT = models.PAIRS["smollm2"]
 EAGLE3 = REPO / "models" / "smollm2-eagle3"  # the target's EAGLE-3 head, when it is there
 CENTRAL_GAMMAS = (1, 2, 4)
 CONCURRENCIES = (4, 8)
+PROMPTS_PER_SLOT = 3  # at --concurrency N: a stream of 3N chats
 COST_SIZES = (1, 3, 4, 8)  # B of the batched costs: one target, three, --concurrency 4 and 8
 MANY_TARGETS = 3
 Mode = Callable[[], dict[str, Any]]
@@ -98,15 +104,17 @@ def target_cmd(rows: list[dict], work: Path, name: str, tokens: int, concurrency
     return [*cmd, "--concurrency", str(concurrency)]
 
 
-def target_result(path: Path, concurrency: int) -> dict:
-    """One target run's decode rate, round counts and ids, from its ``--out`` file."""
+def target_result(path: Path, wall_s: float | None = None) -> dict:
+    """One target run's decode rate, round counts and ids, from its ``--out`` file: tokens
+    over ``wall_s`` (a stream of requests), else over the sequences' own decode time (one
+    at a time, prefills left out as the centralized loop leaves them out)."""
     results = [json.loads(line) for line in path.read_text().splitlines()]
     generated = sum(len(r["token_ids"]) for r in results)
     decode_s = sum(len(r["token_ids"]) / r["stats"]["tokens_per_s"] for r in results)
     rounds = sum(r["stats"]["rounds"] for r in results)
     return {
         "tokens": generated,
-        "tokens_per_s": generated / max(decode_s / concurrency, 1e-9),
+        "tokens_per_s": generated / max(decode_s if wall_s is None else wall_s, 1e-9),
         "rounds": rounds,
         "mean_accepted": sum(r["stats"]["accepted"] for r in results) / max(rounds, 1),
         "alone_steps": sum(r["stats"]["alone_steps"] for r in results),
@@ -117,8 +125,17 @@ def target_result(path: Path, concurrency: int) -> dict:
 def run_cli(rows: list[dict], work: Path, tokens: int, concurrency: int, extra: list[str]) -> dict:
     """One ``edge.target`` run over ``rows``; its decode rate and round counts."""
     cmd = [*target_cmd(rows, work, "t", tokens, concurrency), *extra]
-    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=1200)
-    return target_result(work / "t-out.jsonl", concurrency)
+    done = subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    wall_s = run_wall_s(done.stderr) if concurrency > 1 else None
+    return target_result(work / "t-out.jsonl", wall_s)
+
+
+def run_wall_s(log: str) -> float:
+    """The seconds of an ``edge.target`` run, from its summary line (``done: ... in X s``)."""
+    found = re.search(r"done: \d+ sequences, \d+ tokens in ([0-9.]+) s", log)
+    if found is None:
+        raise RuntimeError(f"no summary line in the target's log: {log[-500:]!r}")
+    return float(found.group(1))
 
 
 def run_many(groups: Sequence[list[dict]], work: Path, tokens: int, extra: list[str]) -> dict:
@@ -136,7 +153,7 @@ def run_many(groups: Sequence[list[dict]], work: Path, tokens: int, extra: list[
     ]
     if any(proc.wait(timeout=1200) for proc in procs):
         raise RuntimeError(f"a target failed: {[proc.returncode for proc in procs]}")
-    each = [target_result(work / f"{name}-out.jsonl", 1) for name in names]
+    each = [target_result(work / f"{name}-out.jsonl") for name in names]
     return {
         "tokens": sum(r["tokens"] for r in each),
         "tokens_per_s": sum(r["tokens_per_s"] for r in each),
@@ -324,11 +341,12 @@ def plan(b: Bench, quick: bool) -> dict[str, Mode]:
     if quick:
         return modes
     for n in CONCURRENCIES:
-        modes[f"standalone-c{n}"] = b.cli(chat_rows(n), n, "--standalone")
-        modes[f"hub-auto-c{n}"] = b.hub(chat_rows(n), n)
+        stream = chat_rows(PROMPTS_PER_SLOT * n)
+        modes[f"standalone-c{n}"] = b.cli(stream, n, "--standalone")
+        modes[f"hub-auto-c{n}"] = b.hub(stream, n)
         if b.eagle3 is not None:
-            modes[f"hub-e3-auto-c{n}"] = b.hub(chat_rows(n), n, drafter="e3")
-            modes[f"hub-e3-g1-c{n}"] = b.hub(chat_rows(n), n, "--gamma", "1", drafter="e3")
+            modes[f"hub-e3-auto-c{n}"] = b.hub(stream, n, drafter="e3")
+            modes[f"hub-e3-g1-c{n}"] = b.hub(stream, n, "--gamma", "1", drafter="e3")
     groups = [chat_rows(3, 3 * i) for i in range(MANY_TARGETS)]
     modes[f"standalone-{MANY_TARGETS}t"] = lambda: run_many(
         groups, b.work, b.tokens, ["--standalone"]
