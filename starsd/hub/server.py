@@ -23,14 +23,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq.asyncio
 
 from starsd import limits, protocol
 from starsd.budget import PeerBudget, Rates
-from starsd.hub import auth, gate, router
+from starsd.hub import auth, gate, report, router
 from starsd.hub.config import HubConfig
 from starsd.hub.drafters.base import DraftJob, Proposer
 from starsd.hub.engine import DraftingEngine
@@ -64,14 +64,6 @@ log = logging.getLogger("starsd.hub")
 _STAMPED = (Opened, Proposal, Pong, Error, Stats)  # hub replies that carry the epoch
 FLOOD_BATCH = 128  # messages over budget in one read turn that mean a flood
 MAX_PAUSE_S = 0.02  # longest pause of the reading after such a turn (a legit message waits it)
-
-
-class LoadReport(TypedDict):
-    """The load fields of WELCOME and PONG (see :meth:`Hub.load`)."""
-
-    sessions: int
-    queue: int
-    busy: float
 
 
 class Hub:
@@ -173,25 +165,9 @@ class Hub:
         return gate.start_authenticator(ctx, self.allow)
 
     def _log_start(self) -> None:
-        mode = (
-            f"CURVE, {len(self.allow)} allowed target keys"
-            if self.allow is not None
-            else "plain text, NOT encrypted or authenticated"
-        )
-        gamma = (
-            f"auto from {self.config.default_gamma}"
-            if self.config.auto_gamma
-            else str(self.config.gamma)
-        )
-        log.info(
-            "hub listening on %s (%s; draft %s, gamma %s of max %d, epoch %s)",
-            self.endpoint,
-            mode,
-            self.welcome.model,
-            gamma,
-            self.config.max_gamma,
-            self.epoch.hex(),
-        )
+        allowed = len(self.allow) if self.allow is not None else None
+        model, epoch = self.welcome.model, self.epoch
+        log.info("%s", report.start_line(self.config, self.endpoint, model, allowed, epoch))
 
     async def _drain(self) -> None:
         """Admit nothing new, deliver what is in flight, then tell every target we are going."""
@@ -448,14 +424,9 @@ class Hub:
             )
         return dataclasses.replace(self.welcome, **self.load())
 
-    def load(self) -> LoadReport:
-        """The load reported in WELCOME and PONG (lock held): open sessions, jobs in Q_in and
-        the drafting thread's recent busy fraction; targets place new sessions by it."""
-        return {
-            "sessions": len(self.table.sessions),
-            "queue": len(self.q_in),
-            "busy": round(self.stats.busy_recent(), 3),
-        }
+    def load(self) -> report.LoadReport:
+        """The load reported in WELCOME and PONG (lock held): see :func:`report.load`."""
+        return report.load(self.table, len(self.q_in), self.stats)
 
     def _peer_name(self, routing_id: bytes, user_id: str | None, model: str) -> str:
         key_name = self.allow.name_of(user_id) if self.allow is not None else None
@@ -504,33 +475,13 @@ class Hub:
 
     def snapshot(self, nonce: int = 0) -> Stats:
         """Hub-wide counters since start, as sent in reply to STATS_REQUEST (lock held)."""
-        peers = [p.stats for p in self.table.peers.values()]
-        return Stats(
-            nonce=nonce,
-            wall_s=time.perf_counter() - self.stats.started,
-            busy_s=self.stats.busy_now(),
-            jobs=self.stats.jobs,
-            batches=self.stats.batches,
-            sessions=len(self.table.sessions),
-            targets=len(self.table.peers),
-            rounds=sum(s.rounds for s in peers),
-            proposed=sum(s.proposed for s in peers),
-            accepted=sum(s.accepted for s in peers),
-            queue_wait_s=sum(s.queue_wait_s for s in peers),
-            **protocol.curve_arrays(self.stats.service_totals()),
-        )
+        return report.snapshot(self.table, self.stats, nonce)
 
     def _log_stats(self) -> None:
         with self.lock:
             dropped = self.router.dropped if self.router is not None else 0
-            log.info(
-                "%s replies_dropped=%d",
-                self.stats.line(len(self.table.sessions), len(self.table.peers)),
-                dropped,
-            )
-            for peer in self.table.peers.values():
-                if peer.stats.jobs:
-                    log.info(peer.stats.line())
+            for line in report.stats_lines(self.table, self.stats, dropped):
+                log.info("%s", line)
 
     def _log_summary(self) -> None:
         log.info("hub stopped after %.1f s; summary:", time.perf_counter() - self.stats.started)
