@@ -173,3 +173,13 @@ def test_a_streams_rate_is_read_from_the_targets_own_summary_line(
     out.write_text(json.dumps(line) + "\n")
     assert real.target_result(out)["tokens_per_s"] == pytest.approx(20.0)  # its decode time
     assert real.target_result(out, wall_s=10.0)["tokens_per_s"] == pytest.approx(10.0)
+
+
+def test_asking_for_more_chats_than_are_held_out_is_refused() -> None:
+    """Catches a stream silently cut to the held-out chats there are (a --concurrency 8 stream
+    of "24" chats ran 16, and its figures said 24)."""
+    assert len(real.chat_rows(real.HELD_OUT)) == real.HELD_OUT
+    with pytest.raises(ValueError, match="held out"):
+        real.chat_rows(real.HELD_OUT + 1)
+    with pytest.raises(ValueError, match="held out"):
+        real.chat_rows(2, first=real.HELD_OUT - 1)

@@ -15,8 +15,8 @@ drifts up to 3x within minutes), over held-out chat prompts, greedy:
   generation with its defaults and the same draft, given the target's vocabulary in this process
   (``scripts.bench.assisted.in_target_vocabulary``): the single-process peers;
 * at ``--concurrency`` 4 and 8: ``standalone-cN`` and ``hub-auto-cN`` (the draft LLM), and
-  with the EAGLE-3 head ``hub-e3-auto-cN`` and ``hub-e3-g1-cN``: a stream of 3N chats, N at
-  a time (a server's load: a request starts as one ends), their rate over the run's wall time.
+  with the EAGLE-3 head ``hub-e3-auto-cN`` and ``hub-e3-g1-cN``: a stream of 3N chats (at
+  most the 16 held out: 12 at 4, 16 at 8), N at a time (a server's load: a request starts as one ends), their rate over the run's wall time.
   One closed batch of N would mostly measure its tail, where the batch thins as sequences end
   (more so with speculation: its sequences end rounds apart), and the model describes full
   batches;
@@ -72,7 +72,8 @@ TARGET, DRAFT = models.PAIRS["smollm2"]
 EAGLE3 = REPO / "models" / "smollm2-eagle3"  # the target's EAGLE-3 head, when it is there
 CENTRAL_GAMMAS = (1, 2, 4)
 CONCURRENCIES = (4, 8)
-PROMPTS_PER_SLOT = 3  # at --concurrency N: a stream of 3N chats
+PROMPTS_PER_SLOT = 3  # at --concurrency N: a stream of 3N chats (all 16 held-out ones at 8)
+HELD_OUT = len(held_out_prompts(10_000))
 COST_SIZES = (1, 3, 4, 8)  # B of the batched costs: one target, three, --concurrency 4 and 8
 MANY_TARGETS = 3
 Mode = Callable[[], dict[str, Any]]
@@ -90,6 +91,8 @@ TREE_SHAPES = {
 def chat_rows(count: int, first: int = 0) -> list[dict]:
     """Held-out chat requests as JSONL rows (prompts ``first`` .. ``first + count - 1``)."""
     prompts = held_out_prompts(first + count)[first:]
+    if len(prompts) < count:
+        raise ValueError(f"{count} chats from {first} asked for; {first + len(prompts)} held out")
     return [
         {"id": first + i, "prompt": m[0]["content"], "messages": m} for i, m in enumerate(prompts)
     ]
@@ -341,7 +344,7 @@ def plan(b: Bench, quick: bool) -> dict[str, Mode]:
     if quick:
         return modes
     for n in CONCURRENCIES:
-        stream = chat_rows(PROMPTS_PER_SLOT * n)
+        stream = chat_rows(min(PROMPTS_PER_SLOT * n, HELD_OUT))
         modes[f"standalone-c{n}"] = b.cli(stream, n, "--standalone")
         modes[f"hub-auto-c{n}"] = b.hub(stream, n)
         if b.eagle3 is not None:
