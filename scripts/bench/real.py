@@ -16,10 +16,10 @@ drifts up to 3x within minutes), over held-out chat prompts, greedy:
   (``scripts.bench.assisted.in_target_vocabulary``): the single-process peers;
 * at ``--concurrency`` 4 and 8: ``standalone-cN`` and ``hub-auto-cN`` (the draft LLM), and
   with the EAGLE-3 head ``hub-e3-auto-cN`` and ``hub-e3-g1-cN``: a stream of 3N chats (at
-  most the 16 held out: 12 at 4, 16 at 8), N at a time (a server's load: a request starts as one ends), their rate over the run's wall time.
-  One closed batch of N would mostly measure its tail, where the batch thins as sequences end
-  (more so with speculation: its sequences end rounds apart), and the model describes full
-  batches;
+  most the 16 held out: 12 at 4, 16 at 8), N at a time (a server's load: a request starts as
+  one ends), their rate over the run's wall time. One closed batch of N would mostly measure
+  its tail, where the batch thins as sequences end (more so with speculation: its sequences
+  end rounds apart), and the model describes full batches;
 * with ``models/smollm2-eagle3`` present (``make real-eagle-heads``), a second hub drafting
   with that EAGLE-3 head: ``hub-e3-auto``, ``hub-e3-g1``, ``hub-e3-g2``, and the centralized
   loop with the head, ``central-e3-g1/g2/g4`` (the model's inputs for the head);
