@@ -520,7 +520,7 @@ def run(args: argparse.Namespace, procs: Processes, work: Path) -> dict[str, Any
     costs = real_costs.measure(bench.target, bench.proposer, sizes, CENTRAL_GAMMAS, cost_repeats)
     if bench.eagle3 is not None:
         costs["draft_ms_e3"] = real_costs.draft_ms(
-            bench.eagle3, bench.target.vocab_size, sizes, CENTRAL_GAMMAS, cost_repeats
+            bench.eagle3, bench.target, sizes, CENTRAL_GAMMAS, cost_repeats
         )
     if not args.quick:
         result["predicted_batched"] = batched_predictions(runs, costs)
