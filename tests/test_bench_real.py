@@ -214,7 +214,6 @@ def test_each_timed_draft_follows_a_sweep_of_the_machines_other_work() -> None:
         _OrderedProposer(events), 64, (1, 3), (1,), 2, between=lambda: events.append("sweep")
     )
     timed = events[2:]  # (after each size's untimed prefill)
-    assert timed and all(
-        a == "sweep" and b.startswith("propose") for a, b in zip(timed[::2], timed[1::2])
-    )
+    pairs = zip(timed[::2], timed[1::2], strict=True)
+    assert timed and all(a == "sweep" and b.startswith("propose") for a, b in pairs)
     assert len(timed) == 2 * 2 * 3  # two sizes, a warm-up pass and two repeats, each swept
