@@ -34,6 +34,7 @@ import torch
 from edge import verifier
 from edge.backends.base import VerifierBackend
 from edge.verifier import TargetSequence
+from starsd import transport
 from starsd.gather import Returns
 
 log = logging.getLogger("edge.batcher")
@@ -153,9 +154,8 @@ class Batcher:
 
     async def aclose(self) -> None:
         """Stop the worker (pending items are cancelled) and the model thread if ours."""
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
+        if self._worker is not None:  # (its gathering wait_for can drop a cancel)
+            await transport.cancel_and_wait([self._worker])
             self._worker = None
         for item in self._pending:
             item.future.cancel()

@@ -381,10 +381,9 @@ class HubClient:
         await transport.send(self.sock, Close(tag))
 
     async def aclose(self) -> None:
-        """Stop the background tasks and close the socket."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Stop the background tasks (for good: :func:`transport.cancel_and_wait`) and close
+        the socket."""
+        await transport.cancel_and_wait(self._tasks)
         if self._watch is not None:
             self._watch.close()
         self.sock.close(linger=CLOSE_LINGER_MS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 import zmq
@@ -19,6 +19,9 @@ import zmq.asyncio
 from starsd import curve_client, limits, protocol
 
 HEARTBEAT_MS = 1000  # ZMTP heartbeat, where one is asked for: closed after 3 silent intervals
+CANCEL_AGAIN_S = (
+    0.1  # cancel_and_wait: a task still running this long after its cancel gets another
+)
 T = TypeVar("T")
 
 
@@ -95,6 +98,23 @@ async def recv(sock: zmq.asyncio.Socket) -> protocol.Message:
     """Receive and decode one message on a DEALER; raises ProtocolError if malformed."""
     frames = await sock.recv_multipart(copy=False)
     return protocol.decode(frames)
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended, cancelling again any still running
+    a moment later: Python 3.11's ``asyncio.wait_for`` drops a cancel that lands as the future
+    it waits on completes, and the task then runs on (a target's liveness loop re-joining a hub
+    as its WELCOME came back did, and its client's close waited for good). Their errors are
+    taken (not reported as never retrieved)."""
+    tasks = list(tasks)
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=CANCEL_AGAIN_S)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:

@@ -95,3 +95,33 @@ async def test_a_sequence_ended_during_its_verification_closes_its_session(
     finally:
         await client.aclose()
         ctx.term()
+
+
+async def test_closing_a_client_ends_a_task_that_dropped_its_cancel() -> None:
+    """Catches aclose() waiting for good on a background task that ran on after its cancel:
+    Python 3.11's wait_for drops a cancel that lands as the future it waits on completes, as
+    the liveness loop's re-join did when a hub's WELCOME came back at that moment (a test of
+    two hubs hung until its 300 s timeout)."""
+    ctx = transport.new_context()
+    client = HubClient(ctx, "tcp://127.0.0.1:1", TargetInfo("t", 8, "f"))
+    client.heartbeat_s = 0.01
+    dropped = []
+
+    async def rejoin_dropping_one_cancel() -> None:
+        try:
+            await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            if dropped:
+                raise
+            dropped.append(True)  # as wait_for returns the WELCOME instead of raising
+
+    client._try_rejoin = rejoin_dropping_one_cancel  # type: ignore[method-assign]
+    client._tasks = [asyncio.create_task(client._liveness_loop())]  # down: it re-joins
+    await asyncio.sleep(0.05)
+    try:
+        await asyncio.wait_for(client.aclose(), 5.0)
+    finally:
+        client._tasks[0].cancel()  # (on a failure: what aclose did not end)
+        client.sock.close(linger=0)
+        ctx.term()
+    assert dropped and client._tasks[0].cancelled()
