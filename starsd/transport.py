@@ -19,9 +19,7 @@ import zmq.asyncio
 from starsd import curve_client, limits, protocol
 
 HEARTBEAT_MS = 1000  # ZMTP heartbeat, where one is asked for: closed after 3 silent intervals
-CANCEL_AGAIN_S = (
-    0.1  # cancel_and_wait: a task still running this long after its cancel gets another
-)
+CANCEL_AGAIN_S = 0.1  # cancel_and_wait: a task still running this long is cancelled again
 T = TypeVar("T")
 
 

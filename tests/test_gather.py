@@ -35,6 +35,24 @@ def _engine(*open_tags: bytes) -> tuple[FairQueue[DraftJob], DraftingEngine]:
     return q, engine
 
 
+def _one_forwards_verdicts(engine: DraftingEngine, q: FairQueue[DraftJob], out: tuple) -> list:
+    """Sessions ``out`` had proposals out together from one target (a cohort, round trips of
+    1 s learnt); the verdicts of a and b arrive now and 30 ms later. The batch drafted."""
+    assert engine.returns is not None
+    state = ChainState([1], SamplingParams(), 4, None)  # type: ignore[arg-type]
+    now = time.perf_counter()
+    for tag in out:
+        engine.returns.sent(tag, now - 1.0)
+        engine.returns.arrived(tag, now)  # R = 1 s: the next verdicts look 1 s away
+        engine.returns.sent(tag, now, cohort=b"target")
+    q.put(b"target", DraftJob(b"a", 1, state, 0, (), owner=b"target"))
+    job_b = DraftJob(b"b", 1, state, 0, (), owner=b"target")
+    threading.Timer(0.03, q.put, args=(b"target", job_b)).start()
+    batch = engine._next_batch()
+    assert batch is not None
+    return batch
+
+
 def test_due_counts_only_verdicts_expected_within_the_window() -> None:
     """Catches waiting for a session whose round trip is unknown, one already overdue (it may
     decode alone or be gone: every batch would wait the whole window for it), or one not due
@@ -111,20 +129,11 @@ def test_a_targets_verdicts_on_one_forward_are_drafted_in_one_batch() -> None:
     """Catches the engine splitting one target's verdicts over two batches when its round
     trips mispredict them (each batch then costs its own service time)."""
     q, engine = _engine(b"a", b"b")
-    assert engine.returns is not None
     engine.service_s = 0.2
-    state = ChainState([1], SamplingParams(), 4, None)  # type: ignore[arg-type]
-    now = time.perf_counter()
-    for tag in (b"a", b"b"):
-        engine.returns.sent(tag, now - 1.0)
-        engine.returns.arrived(tag, now)  # R = 1 s: the next verdicts look 1 s away
-        engine.returns.sent(tag, now, cohort=b"target")
-    q.put(b"target", DraftJob(b"a", 1, state, 0, (), owner=b"target"))
-    job_b = DraftJob(b"b", 1, state, 0, (), owner=b"target")
-    threading.Timer(0.03, q.put, args=(b"target", job_b)).start()
-    batch = engine._next_batch()
-    assert batch is not None and [job.tag for job in batch] == [b"a", b"b"]
-    assert time.perf_counter() - now < 0.15  # it came early: no wait for the deadline
+    started = time.perf_counter()
+    batch = _one_forwards_verdicts(engine, q, (b"a", b"b"))
+    assert [job.tag for job in batch] == [b"a", b"b"]
+    assert time.perf_counter() - started < 0.15  # it came early: no wait for the deadline
 
 
 def test_a_session_closed_with_its_proposal_out_is_not_waited_for() -> None:
@@ -132,22 +141,13 @@ def test_a_session_closed_with_its_proposal_out_is_not_waited_for() -> None:
     among its cohort's due verdicts: every batch of that target then waited the whole window
     (measured: 10.5 ms of the 24 ms between a target's forwards at --concurrency 8 on the real
     pair). Also that the ended session's round trip is forgotten, not kept for good."""
-    q, engine = _engine(b"a", b"b")
-    assert engine.returns is not None
+    q, engine = _engine(b"a", b"b")  # "ended" is no longer in the table
     engine.service_s = 0.5
-    state = ChainState([1], SamplingParams(), 4, None)  # type: ignore[arg-type]
-    now = time.perf_counter()
-    for tag in (b"a", b"b", b"ended"):
-        engine.returns.sent(tag, now - 1.0)
-        engine.returns.arrived(tag, now)
-        engine.returns.sent(tag, now, cohort=b"target")
-    q.put(b"target", DraftJob(b"a", 1, state, 0, (), owner=b"target"))
-    job_b = DraftJob(b"b", 1, state, 0, (), owner=b"target")
-    threading.Timer(0.03, q.put, args=(b"target", job_b)).start()
-    batch = engine._next_batch()
-    assert batch is not None and [job.tag for job in batch] == [b"a", b"b"]
-    assert time.perf_counter() - now < 0.3  # b came: nothing else is due, no wait for "ended"
-    assert b"ended" not in engine.returns.round_trip
+    started = time.perf_counter()
+    batch = _one_forwards_verdicts(engine, q, (b"a", b"b", b"ended"))
+    assert [job.tag for job in batch] == [b"a", b"b"]
+    assert time.perf_counter() - started < 0.3  # b came: nothing else is due, no wait for "ended"
+    assert engine.returns is not None and b"ended" not in engine.returns.round_trip
 
 
 def test_prune_forgets_ended_sessions_only() -> None:

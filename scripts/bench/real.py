@@ -61,7 +61,7 @@ from scripts.bench.assisted import hf_assisted, in_target_vocabulary
 from scripts.bench.common import BenchConfig, pooled_targets, rotated, target_lines
 from scripts.bench.harness import REPO, Processes, start_hub
 from scripts.bench.inproc import bench_centralized, bench_standalone
-from scripts.train.chat_prompts import held_out_prompts
+from scripts.train.chat_prompts import HELD_OUT_TOPICS, held_out_prompts
 from starsd import models, protocol
 from starsd.hub.build import load_proposer
 from starsd.hub.config import HubConfig
@@ -73,7 +73,7 @@ EAGLE3 = REPO / "models" / "smollm2-eagle3"  # the target's EAGLE-3 head, when i
 CENTRAL_GAMMAS = (1, 2, 4)
 CONCURRENCIES = (4, 8)
 PROMPTS_PER_SLOT = 3  # at --concurrency N: a stream of 3N chats (all 16 held-out ones at 8)
-HELD_OUT = len(held_out_prompts(10_000))
+HELD_OUT = len(HELD_OUT_TOPICS)
 COST_SIZES = (1, 3, 4, 8)  # B of the batched costs: one target, three, --concurrency 4 and 8
 MANY_TARGETS = 3
 Mode = Callable[[], dict[str, Any]]
