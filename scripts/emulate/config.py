@@ -42,11 +42,19 @@ class EmulationConfig:
     sibling_alpha: float = (
         SIBLING_ALPHA  # a tree's runner-up acceptance (scripts.emulate.acceptance)
     )
+    # "poll": one ZeroMQ poller (scripts.emulate.poller, one hub); "asyncio": the target's own
+    # hub clients (several hubs too); "auto": the poller for one hub
+    driver: str = "auto"
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         """The hubs of ``hub`` (a comma list)."""
         return parse_hub_endpoints(self.hub)
+
+    @property
+    def polled(self) -> bool:
+        """Whether the poller drives the targets (see ``driver``)."""
+        return self.driver == "poll" or (self.driver == "auto" and len(self.endpoints) == 1)
 
     @property
     def step_alone_s(self) -> float:

@@ -18,6 +18,11 @@ every session's proposal lengths round by round (``gamma_trace``). ``--tree-node
 token trees of up to K nodes in HELLO: a tree is verified in the verify time of its node count
 and its accepted path drawn as :mod:`scripts.emulate.acceptance` says (``--sibling-alpha``).
 
+Two drivers run the same targets (:mod:`scripts.emulate.rounds`, one report): with one hub, by
+default, one ZeroMQ poller (:mod:`scripts.emulate.poller`: about half the CPU a round, so the
+load generator's own serial cost stays small beside a round); with ``--driver asyncio``, or
+several hubs, the target's own asyncio hub clients.
+
 ``--hub`` takes a comma list of hubs: each emulated target then keeps one connection per hub
 (an edge.hubs.HubPool, as a real target given ``--hub A,B``) and opens each sequence on
 ``pool.pick()`` after ``pool.refresh()``, as a real target does; the report then
@@ -49,12 +54,13 @@ from dataclasses import replace
 from edge.client import HubClient
 from edge.handshake import TargetInfo
 from edge.hubs import HubPool, parse_hub_endpoints
-from scripts.emulate.acceptance import accepted_count, accepted_path
 from scripts.emulate.config import EmulationConfig, Phases, schedule, switch_time
+from scripts.emulate.poller import emulate_polled
 from scripts.emulate.report import TargetRecord, full_report
+from scripts.emulate.rounds import SequenceRounds, new_trace
 from starsd import protocol, transport
 from starsd.profile import ProfileError, load_profile
-from starsd.protocol import Proposal, SamplingParams, Stats
+from starsd.protocol import SamplingParams, Stats
 
 PROMPT_TOKENS = 16
 WARMUP_LIMIT_S = 60.0
@@ -79,22 +85,11 @@ async def run_target(
         record.placed[client.endpoint] = record.placed.get(client.endpoint, 0) + 1
         prompt = [rng.randrange(client.info.vocab_size) for _ in range(PROMPT_TOKENS)]
         tag, inbox = await client.open(prompt, SamplingParams(), cfg.gamma)
-        trace: dict | None = None
-        if cfg.tracing:
-            trace = {
-                "target": index,
-                "opened_s": _since(phases),
-                "gammas": [],
-                "switch_round": None,
-            }
+        trace = new_trace(index, phases) if cfg.tracing else None
+        if trace is not None:
             record.traces.append(trace)
         await _one_sequence(client, cfg, rng, tag, inbox, phases, record, trace)
         await client.close_session(tag)
-
-
-def _since(phases: Phases) -> float | None:
-    """Seconds since the warm-up ended (None during the warm-up)."""
-    return time.perf_counter() - phases.bounds[0] if phases.bounds else None
 
 
 async def _one_sequence(
@@ -107,107 +102,18 @@ async def _one_sequence(
     record: TargetRecord,
     trace: dict | None = None,
 ) -> None:
-    seq, generated, asked = 0, 0, time.perf_counter()
-    while generated < cfg.max_new_tokens and time.perf_counter() < phases.finish:
+    vocab = client.info.vocab_size
+    rounds = SequenceRounds(cfg, rng, vocab, phases, record, client.endpoint, trace)
+    while rounds.wants_more():
         msg = await _next_message(inbox, phases)
         if msg is None:  # the run ended while the hub was still drafting it: stop waiting
             return
-        verify_started = time.perf_counter()
-        if isinstance(msg, protocol.Error):  # e.g. CONTEXT_FULL: this sequence ends here
-            record.errors += 1
+        ans = rounds.take(msg)
+        if ans is None:
             return
-        if not isinstance(msg, Proposal):
-            raise RuntimeError(f"hub: {msg}")
-        if not record.had_proposal:
-            record.had_proposal = True
-            phases.first_proposals += 1
-        if trace is not None:
-            if trace["switch_round"] is None and verify_started >= phases.switch:
-                trace["switch_round"] = len(trace["gammas"])
-            trace["gammas"].append(len(msg.tokens))
-        if not len(msg.tokens) and msg.alone <= 0:  # nothing to verify nor to decode: the hub
-            return  # cannot draft further (its context); a real target would finish alone
-        accepted, appended, path = await _answer(
-            cfg, rng, client.info.vocab_size, msg, phases, cfg.max_new_tokens - generated
-        )
-        in_window = _account(
-            record,
-            phases,
-            msg,
-            accepted,
-            appended,
-            (asked, verify_started),
-            first=seq == 0,
-            step_s=cfg.step_alone_s,
-        )
-        if len(msg.tokens) and in_window:  # (the same clock reading as the totals: they add up)
-            record.per_hub(client.endpoint).add(accepted + len(appended), verify_started - asked)
-        generated += accepted + len(appended)
-        seq += 1
-        asked = time.perf_counter()
-        await client.draft(tag, seq, accepted, appended, path=path)
-
-
-async def _answer(
-    cfg: EmulationConfig, rng: random.Random, vocab: int, msg: Proposal, phases: Phases, left: int
-) -> tuple[int, list[int], list[int] | None]:
-    """Verify the proposal (wait the verify time of its every node, draw what it accepts), or
-    decode the span alone (as far as the sequence goes) that it asks for: (accepted, tokens
-    appended, the accepted path after a token tree). A span stops where the run does (its
-    tokens after the end would never count)."""
-    gamma = len(msg.tokens)
-    if gamma:
-        started = time.perf_counter()
-        await asyncio.sleep(cfg.verify_s(gamma))
-        alpha = phases.alpha(cfg, started)
-        if msg.parents is None:
-            return accepted_count(rng, alpha, gamma), [rng.randrange(vocab)], None
-        path = accepted_path(rng, alpha, cfg.sibling_alpha, msg.parents.tolist())
-        return len(path), [rng.randrange(vocab)], path
-    span = max(1, min(msg.alone, left))
-    await asyncio.sleep(min(span * cfg.step_alone_s, max(0.0, phases.finish - time.perf_counter())))
-    return 0, [rng.randrange(vocab) for _ in range(span)], None
-
-
-def _account(
-    record: TargetRecord,
-    phases: Phases,
-    msg: Proposal,
-    accepted: int,
-    appended: list[int],
-    times: tuple[float, float],
-    first: bool,
-    step_s: float = 0.0,
-) -> bool:
-    """Count the round where it ended: in a window slice, a calibration slice, or neither;
-    True when a verified round was counted in the window.
-    ``times``: when the request went out (the DRAFT or OPEN) and when the proposal came in.
-
-    A span decoded alone (gamma 0, ``step_s`` per token) is counted token by token, each where
-    it was decoded: spans last far longer than a verify (up to 256 steps), and counting a whole
-    span where it ended would credit its tokens to the wrong slices and lose the span in
-    progress when the run ends.
-    """
-    asked, received = times
-    now = time.perf_counter()
-    if not len(msg.tokens):
-        decoded = [received + (i + 1) * step_s for i in range(len(appended))]
-        counted = sum(1 for t in decoded if t <= now and phases.kind(t) == "window")
-        if counted:  # (latency: the span's time spread over all its tokens)
-            _record_round(
-                record, msg, 0, appended[:counted], (now - asked) * counted / len(appended)
-            )
-        return False
-    kind = phases.kind(now)  # by when the round ends; rounds after the end do not count
-    if kind == "window":
-        _record_round(record, msg, accepted, appended, now - asked)
-        record.verify_s += now - received  # the timer overshoots the nominal time
-        if not first:  # after a DRAFT (the first proposal answers the OPEN, prefill included)
-            record.proposal_wait_s.append(received - asked)
-    elif kind == "calibration":
-        record.calibration_rounds += 1
-        record.calibration_verify_s += now - received
-    return kind == "window"
+        await asyncio.sleep(ans.wait_s)
+        seq = rounds.settle(ans)
+        await client.draft(tag, seq, ans.accepted, ans.appended, path=ans.path)
 
 
 async def _next_message(
@@ -222,31 +128,6 @@ async def _next_message(
         return await asyncio.wait_for(inbox.get(), max(0.0, phases.finish - time.perf_counter()))
     except asyncio.TimeoutError:
         return None
-
-
-def _record_round(
-    record: TargetRecord, msg: Proposal, accepted: int, appended: list[int], round_s: float
-) -> None:
-    """One round in the window: a verify (gamma >= 1), or a span decoded alone (gamma 0)."""
-    gamma = len(msg.tokens)
-    tokens = accepted + len(appended)
-    if msg.parents is not None:  # a token tree: its nodes are no chain's draft positions
-        record.tree_rounds += 1
-        record.tree_tokens += tokens
-    else:
-        record.gammas[gamma] = record.gammas.get(gamma, 0) + 1
-        record.proposed += gamma
-        record.accepted += accepted
-    if gamma:
-        record.rounds += 1
-        record.round_s += round_s
-    else:
-        record.alone_spans += 1
-        record.alone_tokens += tokens
-    record.tokens += tokens
-    # + the DRAFT: 60 B of header and framing, 4 B per token appended
-    record.bytes += sum(len(bytes(f)) for f in protocol.encode(msg)) + 60 + 4 * len(appended)
-    record.token_latency_s.extend([round_s / tokens] * tokens)
 
 
 async def emulate(cfg: EmulationConfig) -> dict:
@@ -411,10 +292,18 @@ def parse_args(argv: list[str] | None = None) -> EmulationConfig:
         default=EmulationConfig.sibling_alpha,
         help="in a tree, the chance each next child holds the token its elder siblings missed",
     )
+    p.add_argument(
+        "--driver",
+        choices=("auto", "poll", "asyncio"),
+        default=EmulationConfig.driver,
+        help="poll: one ZeroMQ poller, a fraction of the CPU a round (one hub); asyncio: the "
+        "target's own hub clients (several hubs); auto: poll for one hub",
+    )
     p.add_argument("--out")
     args = p.parse_args(argv)
     try:
-        parse_hub_endpoints(args.hub)
+        if len(parse_hub_endpoints(args.hub)) > 1 and args.driver == "poll":
+            p.error("--driver poll drives one hub; several hubs need --driver asyncio")
         return with_profile(EmulationConfig(**vars(args)))
     except ValueError as exc:  # (ProfileError is one)
         p.error(f"--hub: {exc}" if not isinstance(exc, ProfileError) else str(exc))
@@ -434,7 +323,9 @@ def with_profile(cfg: EmulationConfig) -> EmulationConfig:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m scripts.emulate.emulated``."""
     cfg = parse_args(argv)
-    result = transport.run_loop(emulate(cfg))
+    result = (
+        emulate_polled(cfg, target_info(cfg)) if cfg.polled else transport.run_loop(emulate(cfg))
+    )
     text = json.dumps(result, indent=2)
     if cfg.out:
         with open(cfg.out, "w") as f:

@@ -64,9 +64,12 @@ def full_report(
     records: list[TargetRecord],
     snapshots: list[list[Stats]],
     cpu: list[tuple[float, float]],
+    serial_ms: float | None = None,
 ) -> dict:
     """The report: :func:`report` over the window slices with every hub's counters pooled, the
-    calibration slices', and with several hubs each hub's own figures (:func:`hubs_report`)."""
+    calibration slices', and with several hubs each hub's own figures (:func:`hubs_report`).
+    ``serial_ms``: this process's time handling messages per round, where its driver measures
+    it (the poller's; ``load_generator_ms_per_round``)."""
     per_hub = [list(itertools.pairwise(s)) for s in snapshots]
     window = [span for spans in per_hub for span in spans[1::2]]
     calibration = [span for spans in per_hub for span in spans[::2]]
@@ -82,6 +85,9 @@ def full_report(
         **several,
         # near 1: this process is the bottleneck, not the hub (split the targets)
         "emulator_cpu_fraction": (cpu1 - cpu0) / (wall1 - wall0),
+        # the serial cost it adds to every round it handles (the last of a batch of B proposals
+        # waits for B - 1 of these); None: not measured by this driver
+        "load_generator_ms_per_round": serial_ms,
     }
 
 
