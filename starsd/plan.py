@@ -37,9 +37,11 @@ first N at which the hub is fully loaded (from there its throughput is fixed and
 queue), and the break-even N, the last N before the policy turns speculation off (gamma 0) or a
 target falls below its speed alone; with ``hub_rounds_per_s`` (what the hub's message path
 carries, measured by ``scripts/bench/hub_flood.py``) also the message bound, the last N whose
-rounds a second stay within it. A hub is worth its targets up to N_hub = min(N_full,
-break-even, message bound) of every kind; the fleet of C targets needs ceil(C / N_hub) hubs
-(0 when speculation does not pay even for one target). Pure: no torch.
+rounds a second stay within it. That path is serial (one GIL), so it also costs every round:
+each round's messages take 1 / hub_rounds_per_s of it, and a batch's last job reaches the hub
+(B - 1) of those after its first (the model's ``per_message_s``). A hub is worth its targets
+up to N_hub = min(N_full, break-even, message bound) of every kind; the fleet of C targets
+needs ceil(C / N_hub) hubs (0 when speculation does not pay even for one target). Pure: no torch.
 """
 
 from __future__ import annotations
@@ -138,9 +140,16 @@ def reference_gamma(draft: Profile, targets: Sequence[Profile]) -> int:
 
 
 def kind_inputs(
-    curve: ServiceCurve, target: Profile, alpha: float, link_s: float, max_batch: int, gamma: int
+    curve: ServiceCurve,
+    target: Profile,
+    alpha: float,
+    link_s: float,
+    max_batch: int,
+    gamma: int,
+    per_message_s: float = 0.0,
 ) -> analytic.ModelInputs:
-    """The analytic model's inputs for one target kind at the reference ``gamma``."""
+    """The analytic model's inputs for one target kind at the reference ``gamma``;
+    ``per_message_s``: the hub's serial cost per round's messages (1 / hub_rounds_per_s)."""
     return analytic.ModelInputs(
         alpha=alpha,
         gamma=gamma,
@@ -151,6 +160,7 @@ def kind_inputs(
         max_batch=max_batch,
         curve=curve,
         verify_per_token_s=verify_slope(target),
+        per_message_s=per_message_s,
     )
 
 

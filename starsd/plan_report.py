@@ -55,8 +55,14 @@ def build_plan(req: PlanRequest) -> planning.Plan:
     curve = planning.service_curve(draft)
     alpha = planning.alpha_from_file(req.acceptance) if req.acceptance else req.alpha
     link_s, link_note = _link(req)
+    rounds = req.hub_rounds_per_s
+    if rounds is not None and not 0.0 < rounds < float("inf"):
+        raise ProfileError(f"--hub-rounds-per-s: {rounds} is not a rate > 0")
+    message_s = 1.0 / rounds if rounds else 0.0  # the hub's serial cost per round's messages
     kinds = tuple(
-        planning.Kind(t, n, planning.kind_inputs(curve, t, alpha, link_s, req.max_batch, gamma))
+        planning.Kind(
+            t, n, planning.kind_inputs(curve, t, alpha, link_s, req.max_batch, gamma, message_s)
+        )
         for t, n in targets
     )
     max_gamma = req.max_gamma or max(draft.gammas("service_ms"))
@@ -65,9 +71,6 @@ def build_plan(req: PlanRequest) -> planning.Plan:
     trees = tree_ladder(req.tree_shape) if req.tree == "auto" else ()
     if not 0.0 <= req.sibling_alpha <= 1.0:
         raise ProfileError(f"--sibling-alpha: {req.sibling_alpha} is not in [0, 1]")
-    rounds = req.hub_rounds_per_s
-    if rounds is not None and not 0.0 < rounds < float("inf"):
-        raise ProfileError(f"--hub-rounds-per-s: {rounds} is not a rate > 0")
     return planning.Plan(
         draft,
         kinds,
@@ -118,6 +121,7 @@ def header(p: planning.Plan, max_n: int) -> list[str]:
         f"alpha {k0.alpha:.3f}; link {p.link_note}",
         f"gamma: {_gamma_text(p)}",
         f"round shape: {_tree_text(p)}",
+        f"hub message path: {_message_text(p)}",
     ]
     for k in p.kinds:
         i = k.inputs
@@ -128,6 +132,16 @@ def header(p: planning.Plan, max_n: int) -> list[str]:
         )
     note = planning.batch_note(k0.curve, k0.max_batch, max_n) if k0.curve else None
     return lines + [f"note: {n}" for n in (*p.notes, *([note] if note else []))]
+
+
+def _message_text(p: planning.Plan) -> str:
+    rounds = p.hub_rounds_per_s
+    if rounds is None:
+        return "taken as free (no --hub-rounds-per-s): a batch's jobs all arrive at once"
+    return (
+        f"{rounds:.0f} rounds/s (--hub-rounds-per-s): {1e3 / rounds:.4f} ms of it a round, a "
+        "batch of B starts (B - 1) of those after its first job"
+    )
 
 
 def _tree_text(p: planning.Plan) -> str:

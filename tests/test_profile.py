@@ -308,6 +308,22 @@ def test_the_hubs_message_path_bounds_the_targets_a_hub_takes(tmp_path: Path) ->
     )
 
 
+def test_the_hubs_message_path_delays_every_batch(tmp_path: Path) -> None:
+    """With --hub-rounds-per-s R the model's per_message_s is 1 / R (a batch's last job
+    arrives (B - 1) / R after its first), so the plan predicts less for many targets; catches
+    the rate used only as the sizing bound, or its inverse taken wrong."""
+    plan = make_plan(tmp_path, gamma=2, alpha=0.9, max_batch=8)
+    req = plan_report.PlanRequest(plan.draft.path, (plan.kinds[0].profile.path,), gamma=2)
+    bounded = plan_report.build_plan(dataclasses.replace(req, hub_rounds_per_s=2000.0))
+    free = plan_report.build_plan(req)
+    assert bounded.kinds[0].inputs.per_message_s == pytest.approx(1 / 2000)
+    assert free.kinds[0].inputs.per_message_s == 0.0
+    slow, fast = (planning.rows(p, [8])[0]["system_tokens_per_s"] for p in (bounded, free))
+    assert slow < fast
+    assert "0.5000 ms of it a round" in "\n".join(plan_report.header(bounded, 8))
+    assert "taken as free" in "\n".join(plan_report.header(free, 8))
+
+
 def test_mixed_fleet(tmp_path: Path) -> None:
     """Two target kinds share one hub: each kind's row is its own analytic prediction at N, the
     fleet row sums the kinds by their share, and N_hub is the tightest kind's (catches a mixed

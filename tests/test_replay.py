@@ -120,7 +120,8 @@ class _Procs:
 
 def test_hubs_suite_passes_the_target_profile_to_its_emulators(tmp_path: Path) -> None:
     """Catches: emulated targets verifying at --verify-ms (8 ms) instead of the profile's
-    V(1, g) while the hubs replay the draft profile."""
+    V(1, g) while the hubs replay the draft profile; and one hub's targets driven by the
+    poller (cheaper) while two hubs' need the asyncio driver, which would bias the ratio."""
     procs: Any = _Procs()
     info = TargetInfo("bench-hubs", 100, "fp")
     bench_hubs.start_emulator(_hubs_cfg(), procs, tmp_path, info, ["A", "B"], 4, {0}, "two-4-0")
@@ -129,6 +130,8 @@ def test_hubs_suite_passes_the_target_profile_to_its_emulators(tmp_path: Path) -
     plain = bench_hubs.HubsConfig()
     bench_hubs.start_emulator(plain, procs, tmp_path, info, ["A"], 4, {0}, "one-4-0")
     assert "--profile" not in procs.started[-1]
+    for started in procs.started:
+        assert started[started.index("--driver") + 1] == "asyncio"
 
 
 def _record(mode: str, n: int, tok_s: float) -> dict[str, Any]:
@@ -182,32 +185,38 @@ def test_scale_plan_check_follows_each_runs_hub_and_gamma() -> None:
     assert want[0].system_tokens_per_s < want[1].system_tokens_per_s
 
 
-def test_scale_plan_check_adds_the_load_generators_serial_cost_beside_the_plan() -> None:
-    """Catches the load-generator diagnostic taking the wrong per-message cost (it is the one
-    emulator process's CPU seconds per round of that run) or leaking into the plan's own
-    prediction (which is for targets on machines of their own)."""
+def test_scale_plan_check_predicts_the_replay_with_both_serial_costs() -> None:
+    """Catches the replay's prediction missing either serial cost per message (the hub's
+    message path, 1 / its flooded rate; the load generator's, the poller's own measure or the
+    asyncio driver's CPU per round) or taking the wrong one, and the fleet's prediction (for
+    targets on machines of their own) charged the load generator's."""
     cfg = BenchConfig("scale", "target", "draft", draft_profile=DRAFT, target_profile=TARGET)
     runs = [_record("emulated-batched", n, 100.0 * n) for n in (8, 64)]
-    for record in runs:  # 2 tokens a round: 50 n rounds a second
-        record.update(mean_accepted=1.0, emulator_cpu_fraction=0.005 * record["n_targets"])
-    check = replay.scale_check({"runs": runs, "link_round_ms": 1.0}, cfg)
-    assert check is not None
-    pair = replay.load_pair(DRAFT, TARGET)
-    base = replay.plan_inputs(pair, cfg.alpha, 1e-3, cfg.max_batch, cfg.gamma)
-    for record in runs:
-        slowed = dataclasses.replace(base, per_message_s=0.005 / 50)
-        want = analytic.predict(slowed, record["n_targets"]).system_tokens_per_s
-        assert record["plan_predicted_with_load_generator"] == pytest.approx(want)
-        plain = analytic.predict(base, record["n_targets"]).system_tokens_per_s
-        assert record["plan_predicted_system_tokens_per_s"] == pytest.approx(plain)
-    assert (
-        runs[1]["plan_predicted_with_load_generator"]
-        < runs[1]["plan_predicted_system_tokens_per_s"]
-    )
+    runs[0].update(mean_accepted=1.0, emulator_cpu_fraction=0.04)  # 400 rounds/s: 0.1 ms
+    runs[1].update(mean_accepted=1.0, emulator_cpu_fraction=0.9, load_generator_ms_per_round=0.05)
+    result = {"runs": runs, "link_round_ms": 1.0, "hub_rounds_per_s": 10_000.0}
+    check = replay.scale_check(result, cfg)
+    assert check is not None and check["hub_message_ms"] == pytest.approx(0.1)
+    base = replay.plan_inputs(replay.load_pair(DRAFT, TARGET), cfg.alpha, 1e-3, 64, cfg.gamma)
+
+    def at(n: int, per_message_s: float) -> float:
+        inputs = dataclasses.replace(base, per_message_s=per_message_s)
+        return analytic.predict(inputs, n).system_tokens_per_s
+
+    for record, generator_s in zip(runs, (1e-4, 5e-5), strict=True):
+        n = record["n_targets"]
+        assert record["plan_predicted_system_tokens_per_s"] == pytest.approx(
+            at(n, 1e-4 + generator_s)
+        )
+        assert record["plan_fleet_tokens_per_s"] == pytest.approx(at(n, 1e-4))
+        assert record["plan_without_message_costs_tokens_per_s"] == pytest.approx(at(n, 0.0))
+    assert runs[1]["plan_predicted_system_tokens_per_s"] < runs[1]["plan_fleet_tokens_per_s"]
     errors = [
-        abs(r["system_tokens_per_s"] / r["plan_predicted_with_load_generator"] - 1) for r in runs
+        abs(r["system_tokens_per_s"] / r["plan_predicted_system_tokens_per_s"] - 1) for r in runs
     ]
-    assert check["max_prediction_error_with_load_generator"] == pytest.approx(max(errors))
+    assert check["max_prediction_error"] == pytest.approx(max(errors))
+    bare = [r["plan_error_without_message_costs"] for r in runs]
+    assert check["max_prediction_error_without_message_costs"] == pytest.approx(max(bare))
 
 
 def test_check_gpu_profile_skips_cleanly_without_cuda(

@@ -165,6 +165,34 @@ def link_round_ms(
         stop(proc)
 
 
+# The flood that measures a hub's message path: sessions in flight (enough to keep the hub's
+# Python threads busy: the rate is flat from 64 on, results/hub-flood.json) and seconds counted
+FLOOD_SESSIONS = 64
+FLOOD_SECONDS = 2.0
+
+
+def hub_rounds_per_s(
+    cfg: BenchConfig,
+    procs: Processes,
+    work: Path,
+    info: TargetInfo,
+    cpus: tuple[set[int] | None, set[int] | None],
+    hub: Hub | None = None,
+) -> float:
+    """What the hub's message path carries (rounds a second, :mod:`scripts.bench.hub_flood`):
+    a null hub on ``cpus[0]`` flooded from ``cpus[1]``; ``hub``: one already started so,
+    stopped here. The plan's ``hub_rounds_per_s``."""
+    from scripts.bench import hub_flood
+
+    print(f"[overhead] a null hub flooded by {FLOOD_SESSIONS} sessions ...", flush=True)
+    proc, hub_ep = hub or _null_hub(cfg, procs, work, cpus[0])
+    try:
+        with pinned(cpus[1]):
+            return hub_flood.rounds_per_s(hub_ep, _hello(info), FLOOD_SESSIONS, FLOOD_SECONDS)
+    finally:
+        stop(proc)
+
+
 def _null_hub(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | None) -> Hub:
     return start_hub(procs, cfg.draft, work / "hub-null.log", *NULL_HUB_ARGS, cpus=cpus)
 

@@ -121,6 +121,17 @@ class Flood:
         self.ctx.term()
 
 
+def rounds_per_s(endpoint: str, hello: Hello, sessions: int, seconds: float) -> float:
+    """What the hub at ``endpoint`` carries: rounds a second with ``sessions`` always in
+    flight, after the warm-up (the inverse is its serial cost per round)."""
+    flood = Flood(endpoint, hello, sessions)
+    try:
+        flood.run(WARMUP_S)
+        return flood.run(seconds) / seconds
+    finally:
+        flood.close()
+
+
 def measure(endpoint: str, pid: int, hello: Hello, sessions: int, seconds: float) -> dict:
     """One flood of ``sessions``: rounds a second and CPU milliseconds per round."""
     flood = Flood(endpoint, hello, sessions)

@@ -157,6 +157,10 @@ def start_emulator(
         tag[-1],
         "--out",
         str(out),
+        # one driver for one hub and two alike (two need the asyncio one): the modes compared
+        # must pay the same load generator
+        "--driver",
+        "asyncio",
         *(["--profile", cfg.target_profile] if cfg.target_profile else []),
     ]
     return procs.start(args, out.with_suffix(".log"), cpus=cpus_), out
@@ -223,6 +227,7 @@ def run_record(mode: str, n: int, repeat: int, report: dict) -> dict:
         "latency_ms",
         "proposal_wait_ms",
         "emulator_cpu_fraction",
+        "load_generator_ms_per_round",
         "rounds",
         "sequence_errors",
         "hubs",

@@ -34,6 +34,7 @@ from scripts.bench.common import (
     BenchConfig,
     Hub,
     hub_overhead,
+    hub_rounds_per_s,
     hub_stats,
     link_round_ms,
     run_record,
@@ -262,6 +263,7 @@ def suite_hubs(
     return {
         "null": (work / "hub-null.log", null, None),
         "null-pinned": (work / "hub-null-pinned.log", null, cpus[0]),
+        "null-flooded": (work / "hub-null-flooded.log", null, cpus[0]),
         **{
             h: (
                 work / f"hub-scale-{h}.log",
@@ -391,6 +393,8 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         overhead = hub_overhead(cfg, procs, work, info, rounds, hubs["null"])
     with phases("link"):
         link_ms = link_round_ms(cfg, procs, work, info, cpus, hubs["null-pinned"])
+    with phases("flood"):
+        rounds_per_s = hub_rounds_per_s(cfg, procs, work, info, cpus, hubs["null-flooded"])
     with phases("service"):
         service = service_curves(cfg, procs, work, cpus[0])
     with phases("sweep"):
@@ -410,7 +414,7 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
             cfg, emulate_on(AUTO_HUB), emulate_on(TREES_ON_HUB)
         )
     for name, (proc, _) in hubs.items():
-        if name not in ("null", "null-pinned"):  # (those were stopped after their probes)
+        if not name.startswith("null"):  # (those were stopped after their probes)
             stop(proc)
     reports, after = sweep["reports"], sweep["after"]
     # c, the hub's serial cost per message when a batch's DRAFTs arrive back to back: measured
@@ -486,6 +490,7 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         "latency_std_ms": steadiness,
         "hub_overhead": overhead,
         "link_round_ms": link_ms,
+        "hub_rounds_per_s": rounds_per_s,  # its message path (a null hub flooded)
         "placement": {"hubs": sorted(cpus[0] or []), "targets": sorted(cpus[1] or [])},
         # fixed gammas vs --gamma auto per N, and the acceptance switch (scripts/bench/gamma.py)
         "gamma_comparison": bench_gamma.compare(gamma_reports, gamma_inputs),

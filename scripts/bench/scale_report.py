@@ -103,6 +103,7 @@ def emulated_record(
         calibrated_mean_batch_size=calibration.get("mean_batch_size"),
         proposal_wait_ms=report.get("proposal_wait_ms"),
         emulator_cpu_fraction=report.get("emulator_cpu_fraction"),
+        load_generator_ms_per_round=report.get("load_generator_ms_per_round"),
         hub_rss_peak_mb=report.get("hub_rss_peak_mb"),
         hub_rss_after_mb=report.get("hub_rss_after_mb"),
         draft_service_ms=1e3 * report["draft_service_s"],
