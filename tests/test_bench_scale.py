@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from scripts.bench import service as bench_service
 from scripts.bench import targets as bench_targets
 from scripts.emulate.report import service_curve
 from starsd import analytic
+from starsd import plan as planning
+from starsd.profile import load_profile
 from starsd.protocol import Stats, curve_arrays
 from starsd.service import ServiceCurve
 
@@ -363,6 +366,21 @@ def test_gamma_comparison_picks_the_best_fixed_gamma_per_n() -> None:
     own = bench_gamma.model_inputs(bench.parse_args([]), inputs, reports)
     assert own is not None and own.verify_s == pytest.approx(0.022)
     assert own.target_step_s == pytest.approx(0.016) and own.curve == inputs.curve
+
+
+def test_gamma_comparison_models_the_target_profiles_costs_when_replaying() -> None:
+    """Catches the comparison's model taking the CPU suite's emulated target (T_alone 16 ms,
+    verify + 1.5 ms a draft token) while the emulated targets follow a target profile: under
+    the H100 profile it then prices gamma 1's verify at a third of what the targets take."""
+    target = "profiles/published-h100-llama31-8b-target.json"
+    cfg = replace(bench.parse_args([]), target_profile=target)
+    inputs = analytic.ModelInputs(0.7, 4, 0.005, 0.0064, 0.001, 0.016)
+    own = bench_gamma.model_inputs(cfg, inputs, {})
+    profile = load_profile(target, "target")
+    assert own is not None
+    assert own.target_step_s == pytest.approx(profile.seconds("step_ms")[(1, 0)])
+    assert own.verify_per_token_s == pytest.approx(planning.verify_slope(profile))
+    assert own.verify_per_token_s < 1e-4  # (the profile's V(1, g) is nearly flat)
 
 
 def test_switch_summary_keeps_only_sessions_across_the_switch() -> None:

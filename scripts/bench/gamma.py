@@ -33,7 +33,8 @@ from dataclasses import replace
 from typing import Any
 
 from scripts.bench.common import BenchConfig, rotated, run_record
-from starsd import analytic
+from starsd import analytic, plan
+from starsd.profile import load_profile
 
 FIXED_GAMMAS = (1, 2, 4, 8)
 AUTO = "auto"
@@ -177,8 +178,9 @@ def model_inputs(
     cfg: BenchConfig, base: analytic.ModelInputs | None, reports: dict[str, list[dict]]
 ) -> analytic.ModelInputs | None:
     """The model's inputs for the comparison: the sweep's batched-hub inputs (S(B) at gamma 4,
-    link) with the comparison's target: verify at gamma 4 as measured in its fixed-4 runs,
-    T_alone = auto_verify_ms."""
+    link) with the comparison's target: verify at gamma 4 as measured in its fixed-4 runs, its
+    growth per draft token and T_alone those the emulated targets were given (auto_verify_ms
+    and auto_verify_per_token_ms; under a target profile, its V(1, g) slope and T(1))."""
     if base is None:
         return None
     fours = reports.get(mode_name(4)) or []
@@ -188,13 +190,24 @@ def model_inputs(
         if verify
         else (cfg.auto_verify_ms + base.gamma * cfg.auto_verify_per_token_ms)
     )
+    step_s, per_token_s = emulated_target_costs(cfg)
     return replace(
         base,
         alpha=cfg.alpha,
         verify_s=verify_ms / 1e3,
-        target_step_s=cfg.auto_verify_ms / 1e3,
-        verify_per_token_s=cfg.auto_verify_per_token_ms / 1e3,
+        target_step_s=step_s,
+        verify_per_token_s=per_token_s,
     )
+
+
+def emulated_target_costs(cfg: BenchConfig) -> tuple[float, float]:
+    """(a token decoded alone, the verify's growth per draft token) in seconds, as the
+    comparison's emulated targets take them: the target profile's T(1) and V(1, g) slope when
+    the suite replays one, else auto_verify_ms and auto_verify_per_token_ms."""
+    if cfg.target_profile:
+        target = load_profile(cfg.target_profile, "target")
+        return target.seconds("step_ms")[(1, 0)], plan.verify_slope(target)
+    return cfg.auto_verify_ms / 1e3, cfg.auto_verify_per_token_ms / 1e3
 
 
 def model_at(inputs: analytic.ModelInputs, n: int, alpha: float | None = None) -> dict[str, Any]:
@@ -257,6 +270,8 @@ def records(reports: dict[str, list[dict]], inputs: analytic.ModelInputs | None)
                     mean_batch_size=r.get("mean_batch_size"),
                     verify_ms=r["verify_ms"],
                     proposal_wait_ms=r.get("proposal_wait_ms"),
+                    emulator_cpu_fraction=r.get("emulator_cpu_fraction"),
+                    load_generator_ms_per_round=r.get("load_generator_ms_per_round"),
                 )
             )
     return out
