@@ -128,11 +128,13 @@ def annotate(
     the targets on each hub when the run spread them over several (each hub's plan, summed;
     default: all on one).
 
-    The replay is predicted with its two serial costs per message (``per_message_s``), both
-    measured in the same run: the hub's message path (``hub_message_s``: 1 / the rounds a
-    second a flooded null hub carries) and the load generator's own (:func:`generator_s`).
-    Beside it go what the plan says for a fleet (the hub's message path only: real targets
-    do not queue behind one another) and with neither cost, so each one's share shows."""
+    The replay has two serial costs per message, both measured in the same run: the hub's
+    message path (``hub_message_s``: 1 / the rounds a second a flooded null hub carries) and
+    the load generator's own (:func:`generator_s`). A batch's messages pass through the two
+    processes in turn, each handling them one after another, so the later job of a batch is
+    late by the slower one's cost per message, not by both: the replay is predicted with
+    ``per_message_s`` their maximum. Beside it go what the plan says for a fleet (the hub's
+    message path only: real targets do not queue behind one another) and with neither cost."""
     generator = generator_s(record)
     parts = [
         predictions(inputs, n, auto, hub_message_s, generator)
@@ -146,7 +148,7 @@ def annotate(
 
 
 PREDICTIONS = (
-    "plan_predicted_system_tokens_per_s",  # the replay: both serial costs
+    "plan_predicted_system_tokens_per_s",  # the replay: the slower serial cost
     "plan_fleet_tokens_per_s",  # a fleet: the hub's message path only
     "plan_without_message_costs_tokens_per_s",
 )
@@ -156,7 +158,7 @@ def predictions(
     inputs: analytic.ModelInputs, n: int, auto: bool, hub_s: float, generator_s: float
 ) -> dict[str, float]:
     """:data:`PREDICTIONS` for ``n`` targets on one hub."""
-    costs = (hub_s + generator_s, hub_s, 0.0)
+    costs = (max(hub_s, generator_s), hub_s, 0.0)
     return {
         key: predicted(replace(inputs, per_message_s=c), n, auto)
         for key, c in zip(PREDICTIONS, costs, strict=True)
