@@ -396,3 +396,28 @@ def test_check_gpu_backends_without_cuda_keeps_the_gpu_report(
     args = ["--out", str(out), "--export", str(tmp_path / "export"), "--prompts", "1"]
     assert check_gpu_backends.main([*args, "--max-new-tokens", "4"]) == 0
     assert not out.exists() and "not written" in capsys.readouterr().out
+
+
+def test_the_real_sweeps_plan_reads_the_drafters_profile_and_the_emulated_verify() -> None:
+    """Catches the CPU sweep's plan reading another drafter's profile silently, taking the
+    targets' verify from anywhere but --verify-ms, or predicting the gamma comparison's runs
+    (whose emulated targets verify at other costs) with the sweep's targets."""
+    cpu = str(REPO / bench_run.CPU_DRAFT_PROFILE)
+    cfg = BenchConfig(
+        "scale", "target", str(models.TOY_DRAFT_DIR), verify_ms=8.0, plan_draft_profile=cpu
+    )
+    runs = [_record("emulated-batched", 8, 1000.0), _record("gamma-fixed-2", 8, 1000.0)]
+    result = {"runs": runs, "link_round_ms": 1.0, "hub_rounds_per_s": 10_000.0}
+    check = replay.scale_check(result, cfg)
+    assert check is not None and "skipped" not in check
+    draft = replay.load_profile(cpu, "draft")
+    targets = replay.emulated_targets(8.0, draft.gammas("service_ms"))
+    assert targets.seconds("verify_ms")[(1, 2)] == targets.seconds("step_ms")[(1, 0)] == 0.008
+    inputs = replay.plan_inputs(replay.ProfilePair(draft, targets), cfg.alpha, 1e-3, 64, 4)
+    want = analytic.predict(dataclasses.replace(inputs, per_message_s=1e-4), 8)
+    assert runs[0]["plan_predicted_system_tokens_per_s"] == pytest.approx(want.system_tokens_per_s)
+    assert "plan_error" not in runs[1]
+    other = dataclasses.replace(cfg, draft=str(models.TOY_TARGET_DIR))
+    skipped = replay.scale_check({**result, "runs": [_record("emulated-batched", 8, 1.0)]}, other)
+    assert skipped is not None and "toy-draft-cpu.json" in skipped["skipped"]
+    assert replay.scale_check(result, dataclasses.replace(cfg, plan_draft_profile="")) is None

@@ -48,6 +48,10 @@ class BenchConfig:
     # target profile's V(1, g) and decode alone at its T(1) ("": the real drafter, --verify-ms)
     draft_profile: str = ""
     target_profile: str = ""
+    # scale suite, the real drafter (no replayed pair): the plan of the sweep reads the swept
+    # drafter's S(B, g) from this draft profile (starsd profile draft of --draft on this
+    # machine) and the emulated targets' costs from --verify-ms ("": no plan check)
+    plan_draft_profile: str = ""
 
 
 def run_record(mode: str, n: int, **fields: Any) -> dict[str, Any]:

@@ -28,7 +28,14 @@ from typing import Any
 
 from starsd import analytic, plan
 from starsd.hub.config import HubConfig
-from starsd.profile import Profile, ProfileError, load_profile
+from starsd.profile import (
+    Profile,
+    ProfileError,
+    check_fingerprint,
+    check_profile,
+    load_profile,
+    new_profile,
+)
 
 PLAN_TARGET_ERROR = 0.15  # the plan's largest error against the replayed sweep
 
@@ -208,29 +215,62 @@ def modes(records: Iterable[dict[str, Any]]) -> list[str]:
 
 def scale_check(result: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
     """The plan beside every emulated run of the scale suite (``cfg``: its BenchConfig), and
-    its largest error over the batched hub's sweep; None unless both profiles were replayed."""
-    if not (cfg.draft_profile and cfg.target_profile):
+    its largest error over the batched hub's sweep; None without a plan to check (neither a
+    replayed pair nor ``cfg.plan_draft_profile``).
+
+    With the real drafter (no replayed pair) the plan reads the drafter's S(B, g) from
+    ``cfg.plan_draft_profile`` and the emulated targets' costs from --verify-ms
+    (:func:`emulated_targets`); only the sweep's runs are predicted (the gamma and tree
+    comparisons' targets verify at other costs). A profile of another model than --draft is
+    skipped, and the check says why."""
+    replayed = bool(cfg.draft_profile and cfg.target_profile)
+    if not replayed and not getattr(cfg, "plan_draft_profile", ""):  # (older configs lack it)
         return None
-    pair = load_pair(cfg.draft_profile, cfg.target_profile)
+    try:
+        pair = load_pair(cfg.draft_profile, cfg.target_profile) if replayed else cpu_pair(cfg)
+    except ProfileError as exc:
+        return {"skipped": str(exc)}
     link_s = result["link_round_ms"] / 1e3
     message_s = hub_message_s(result.get("hub_rounds_per_s"))
     annotated = []
     for record in result["runs"]:
         spec = scale_mode(record["mode"], cfg.gamma, cfg.max_batch)
-        if spec is None:
+        if spec is None or (not replayed and not record["mode"].startswith("emulated-")):
             continue
         max_batch, gamma, auto = spec
         annotate(record, plan_inputs(pair, cfg.alpha, link_s, max_batch, gamma), auto, message_s)
         annotated.append(record)
     sweep = [r for r in annotated if r["mode"] == "emulated-batched"]
+    source = "the suite's null-drafter round"
     return check_summary(
         sweep,
         max_prediction_error_all_runs=max_error(annotated),
         by_mode_all_runs={
             m: max_error(r for r in annotated if r["mode"] == m) for m in modes(annotated)
         },
-        **plan_settings(pair, cfg.alpha, link_s, "the suite's null-drafter round", message_s),
+        **plan_settings(pair, cfg.alpha, link_s, source, message_s),
     )
+
+
+def cpu_pair(cfg: Any) -> ProfilePair:
+    """The real sweep's pair: the swept drafter's profile (checked to be of --draft) and the
+    emulated targets it drafted for."""
+    draft = load_profile(cfg.plan_draft_profile, "draft")
+    check_fingerprint(draft, cfg.draft)
+    return ProfilePair(draft, emulated_targets(cfg.verify_ms, draft.gammas("service_ms")))
+
+
+def emulated_targets(verify_ms: float, gammas: Iterable[int]) -> Profile:
+    """The sweep's emulated targets as a target profile: a verify of any gamma and a token
+    decoded alone each take ``verify_ms`` (``--verify-ms``: what they are told to wait)."""
+    summary = {"median_ms": verify_ms, "p10_ms": verify_ms, "p90_ms": verify_ms, "n": 1}
+    grid = {
+        "step_ms": [{"batch": 1, **summary}],
+        "verify_ms": [{"batch": 1, "gamma": g, **summary} for g in gammas],
+    }
+    model = {"name": "emulated targets", "path": ""}
+    raw = new_profile("target", model, {"device": "emulated"}, grid)
+    return check_profile(raw, f"the emulated targets (--verify-ms {verify_ms:g})")
 
 
 def rounds_per_s(record: dict[str, Any]) -> float:
