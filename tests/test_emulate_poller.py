@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 from conftest import RunningHub
 
 from edge.handshake import TargetInfo
 from scripts.emulate.config import EmulationConfig, Phases, schedule
 from scripts.emulate.emulated import emulate, parse_args, target_info
-from scripts.emulate.poller import PolledEmulation, emulate_polled
+from scripts.emulate.poller import PolledEmulation, PolledTarget, emulate_polled
 from scripts.emulate.report import TargetRecord
 from scripts.emulate.rounds import SequenceRounds, proposal_bytes
 from starsd.protocol import Error, ErrorCode, Ping, Proposal
@@ -116,3 +117,24 @@ def test_a_rounds_bytes_are_the_proposals_as_received_when_known() -> None:
     assert ans2 is not None
     rounds2.settle(ans2)
     assert record2.bytes == proposal_bytes(msg) + 60 + 4
+
+
+def test_a_closed_sessions_late_proposal_is_dropped() -> None:
+    """Catches a proposal of a session the target has closed (the hub answered its last DRAFT
+    before reading the CLOSE) taken as the new sequence's: it would be verified and answered
+    under the new tag with the old seq."""
+    cfg = EmulationConfig(hub="tcp://127.0.0.1:5001", duration=100.0, calibration=1.0, slices=1)
+    emulation = PolledEmulation(cfg, TargetInfo("e", 50, "fp"))
+    try:
+        emulation.phases = _in_window(cfg)
+        rounds, record = _rounds(cfg, emulation.phases)
+        sock = emulation.ctx.socket(zmq.DEALER)  # (never connected: nothing is sent)
+        target = PolledTarget(0, sock, random.Random(0), record)
+        target.tag, target.rounds = b"n" * 16, rounds
+        emulation._dispatch(target, _proposal(7, 4), 100)  # tag "t" * 16: the closed session's
+        assert emulation.stale == 1 and not emulation.due and not record.had_proposal
+        late_error = Error(ErrorCode.CONTEXT_FULL, "full", tag=b"t" * 16)
+        emulation._dispatch(target, late_error, 50)
+        assert emulation.stale == 2 and record.errors == 0
+    finally:
+        emulation.ctx.destroy(linger=0)
