@@ -147,54 +147,38 @@ def hub_overhead(
     return result
 
 
-def link_round_ms(
-    cfg: BenchConfig,
-    procs: Processes,
-    work: Path,
-    info: TargetInfo,
-    cpus: tuple[set[int] | None, set[int] | None],
-    hub: Hub | None = None,
-) -> float:
-    """The model's link time: a null-drafter round after the client idled the verify time, with
-    the hub on ``cpus[0]`` and the client on ``cpus[1]`` (None: anywhere); ``hub``: a null hub
-    already started so (NULL_HUB_ARGS), stopped here."""
-    from scripts.bench import overhead
-
-    print("[overhead] null-drafter round after an idle verify time ...", flush=True)
-    proc, hub_ep = hub or _null_hub(cfg, procs, work, cpus[0])
-    try:
-        with pinned(cpus[1]):
-            return overhead.link_round_ms(hub_ep, _hello(info), cfg.verify_ms / 1e3)
-    finally:
-        stop(proc)
-
-
 # The flood that measures a hub's message path: sessions in flight (enough to keep the hub's
 # Python threads busy: the rate is flat from 64 on, results/hub-flood.json) and seconds counted
 FLOOD_SESSIONS = 64
 FLOOD_SECONDS = 2.0
 
 
-def hub_rounds_per_s(
+def null_hub_figures(
     cfg: BenchConfig,
     procs: Processes,
     work: Path,
     info: TargetInfo,
     cpus: tuple[set[int] | None, set[int] | None],
     hub: Hub | None = None,
-) -> float:
-    """What the hub's message path carries (rounds a second, :mod:`scripts.bench.hub_flood`):
-    a null hub on ``cpus[0]`` flooded from ``cpus[1]``; ``hub``: one already started so,
-    stopped here. The plan's ``hub_rounds_per_s``."""
-    from scripts.bench import hub_flood
+) -> tuple[float, float]:
+    """Two figures of one null hub on ``cpus[0]``, the client on ``cpus[1]`` (None: anywhere):
+    the model's link time in ms (a null-drafter round after the client idled the verify time)
+    and the rounds a second its message path carries (flooded by FLOOD_SESSIONS sessions,
+    :mod:`scripts.bench.hub_flood`: the plan's ``hub_rounds_per_s``). ``hub``: a null hub
+    already started so (NULL_HUB_ARGS), stopped here."""
+    from scripts.bench import hub_flood, overhead
 
-    print(f"[overhead] a null hub flooded by {FLOOD_SESSIONS} sessions ...", flush=True)
     proc, hub_ep = hub or _null_hub(cfg, procs, work, cpus[0])
+    hello = _hello(info)
     try:
         with pinned(cpus[1]):
-            return hub_flood.rounds_per_s(hub_ep, _hello(info), FLOOD_SESSIONS, FLOOD_SECONDS)
+            print("[overhead] null-drafter round after an idle verify time ...", flush=True)
+            link_ms = overhead.link_round_ms(hub_ep, hello, cfg.verify_ms / 1e3)
+            print(f"[overhead] the null hub flooded by {FLOOD_SESSIONS} sessions ...", flush=True)
+            rounds = hub_flood.rounds_per_s(hub_ep, hello, FLOOD_SESSIONS, FLOOD_SECONDS)
     finally:
         stop(proc)
+    return link_ms, rounds
 
 
 def _null_hub(cfg: BenchConfig, procs: Processes, work: Path, cpus: set[int] | None) -> Hub:

@@ -34,9 +34,8 @@ from scripts.bench.common import (
     BenchConfig,
     Hub,
     hub_overhead,
-    hub_rounds_per_s,
     hub_stats,
-    link_round_ms,
+    null_hub_figures,
     run_record,
     sweep_order,
 )
@@ -255,15 +254,14 @@ def suite_hubs(
     cfg: BenchConfig, work: Path, cpus: tuple[set[int] | None, set[int] | None]
 ) -> dict[str, tuple[Path, list[str], set[int] | None]]:
     """The suite's hubs: a null hub for the overhead probe (unpinned) and one for the link time
-    (on the hubs' CPU), then the two swept hubs, which differ only in --max-batch, and the
-    batched hub under --gamma auto (the gamma comparison's; the fixed gammas run on the swept
-    batched hub, which keeps the gamma an OPEN names)."""
+    and the message path (on the hubs' CPU), then the two swept hubs, which differ only in
+    --max-batch, and the batched hub under --gamma auto (the gamma comparison's; the fixed
+    gammas run on the swept batched hub, which keeps the gamma an OPEN names)."""
     common = ["--model", cfg.draft, "--max-sessions", "4096", *NO_PREDRAFT, *replayed(cfg)]
     null = ["--model", cfg.draft, *NULL_HUB_ARGS]
     return {
         "null": (work / "hub-null.log", null, None),
         "null-pinned": (work / "hub-null-pinned.log", null, cpus[0]),
-        "null-flooded": (work / "hub-null-flooded.log", null, cpus[0]),
         **{
             h: (
                 work / f"hub-scale-{h}.log",
@@ -391,10 +389,8 @@ def suite_scale(cfg: BenchConfig, procs: Processes, work: Path) -> dict:
         # (the quick sweep of two hubs needs the time: fewer rounds of the overhead probe)
         rounds = QUICK_OVERHEAD_ROUNDS if cfg.quick else None
         overhead = hub_overhead(cfg, procs, work, info, rounds, hubs["null"])
-    with phases("link"):
-        link_ms = link_round_ms(cfg, procs, work, info, cpus, hubs["null-pinned"])
-    with phases("flood"):
-        rounds_per_s = hub_rounds_per_s(cfg, procs, work, info, cpus, hubs["null-flooded"])
+    with phases("link"):  # (and the hub's message path, on the same null hub)
+        link_ms, rounds_per_s = null_hub_figures(cfg, procs, work, info, cpus, hubs["null-pinned"])
     with phases("service"):
         service = service_curves(cfg, procs, work, cpus[0])
     with phases("sweep"):
