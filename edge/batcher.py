@@ -115,6 +115,8 @@ class Batcher:
         # event loop's own: when each sequence's next item is due (its hub round trip)
         self.returns = Returns() if gather and max_batch > 1 else None
         self.forward_s = 0.0  # smoothed time of a decoding forward: the gathering window
+        self._prefilled_s = 0.0  # seconds of prefill forwards finished (see prefill_clock)
+        self._prefill_from: float | None = None  # when the prefill forward running now began
 
     # ------------------------------------------------------------------ what sequences call
 
@@ -143,6 +145,13 @@ class Batcher:
             WorkItem(VERIFY, seq, self._future(), drafts, q_probs, parents)
         )
         return result
+
+    def prefill_clock(self) -> float:
+        """Seconds the model thread has spent on prefill forwards so far, the one running now
+        included: the difference of two readings is the prefill time between them (what a
+        sequence waiting meanwhile lost to the other sequences' prompts). Event loop's own."""
+        running = 0.0 if self._prefill_from is None else time.perf_counter() - self._prefill_from
+        return self._prefilled_s + running
 
     def watch(self, seq: TargetSequence, callback: Callable[[TargetSequence], None] | None) -> None:
         """Call ``callback(seq)`` on the event loop after each item of ``seq`` completes (None:
@@ -236,15 +245,9 @@ class Batcher:
 
     async def _run(self, batch: list[WorkItem]) -> None:
         """One forward in the model thread; every item's future gets its result or error."""
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        try:
-            results, kinds = await loop.run_in_executor(self._pool, compute, self.backend, batch)
-        except Exception as exc:  # the forward itself failed: this batch hears it, not others
-            log.error("batched forward of %d rows failed: %r", len(batch), exc)
-            results, kinds = [exc] * len(batch), []
-        finished = time.perf_counter()
-        if batch[0].group != PREFILL and kinds:
+        prefill = batch[0].group == PREFILL
+        results, kinds, started, finished = await self._forward(batch, prefill)
+        if not prefill and kinds:
             self._timed(finished - started)
         self.stats.record(kinds)
         if len(kinds) == self.max_batch and not self._full_logged:
@@ -254,6 +257,9 @@ class Batcher:
                 self.max_batch,
             )
         for item, result in zip(batch, results, strict=True):
+            if not prefill and not isinstance(result, BaseException):  # a forward carried it
+                item.seq.stats.forwards += 1
+                item.seq.stats.forward_s += finished - started
             if self.returns is not None and item.kind == VERIFY and not item.seq.done:
                 self.returns.sent(id(item.seq), finished)  # its DRAFT goes out now
             if not item.future.done():
@@ -267,6 +273,26 @@ class Batcher:
                     watcher(item.seq)
                 except Exception:  # a listener's bug must not stop the worker (all would hang)
                     log.exception("a watcher of a sequence failed")
+
+    async def _forward(
+        self, batch: list[WorkItem], prefill: bool
+    ) -> tuple[list[Any], list[str], float, float]:
+        """Run ``batch`` in the model thread: (results, row kinds, started, finished); a
+        prefill's time runs on :meth:`prefill_clock` meanwhile."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        if prefill:
+            self._prefill_from = started
+        try:
+            results, kinds = await loop.run_in_executor(self._pool, compute, self.backend, batch)
+        except Exception as exc:  # the forward itself failed: this batch hears it, not others
+            log.error("batched forward of %d rows failed: %r", len(batch), exc)
+            results, kinds = [exc] * len(batch), []
+        finally:
+            if prefill:
+                self._prefill_from = None
+                self._prefilled_s += time.perf_counter() - started
+        return results, kinds, started, time.perf_counter()
 
 
 def compute(backend: VerifierBackend, batch: Sequence[WorkItem]) -> tuple[list[Any], list[str]]:

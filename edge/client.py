@@ -354,15 +354,22 @@ class HubClient:
         features: np.ndarray | None = None,
         taken: int = 0,
         path: Sequence[int] | None = None,
+        prefill_s: float = 0.0,
+        forward_s: float = 0.0,
     ) -> None:
         """Send the verdict on proposal ``seq - 1`` and ask for proposal ``seq`` (or, with
         ``taken``, say that the pushed branch of that many tokens is proposal ``seq``).
         ``path``: the accepted path's nodes when proposal ``seq - 1`` was a token tree (empty
-        when none was accepted); None after a chain (Draft.path absent)."""
+        when none was accepted); None after a chain (Draft.path absent). ``prefill_s``: the
+        seconds spent prefilling other sequences since proposal ``seq - 1`` arrived;
+        ``forward_s``: the mean seconds of the forwards that carried this sequence since."""
         ids = np.asarray(appended, dtype=np.int32)
         nodes = None if path is None else np.asarray(path, dtype=np.int32).reshape(-1)
+        times = {"prefill_us": _micros(prefill_s), "forward_us": _micros(forward_s)}
         self._routes.grant(tag, 0 if taken else 1)
-        await transport.send(self.sock, Draft(tag, seq, accepted, ids, features, taken, path=nodes))
+        await transport.send(
+            self.sock, Draft(tag, seq, accepted, ids, features, taken, nodes, **times)
+        )
 
     async def stats(self, timeout: float = 10.0) -> Stats:
         """The hub's counters (STATS_REQUEST -> STATS)."""
@@ -516,3 +523,8 @@ class HubClient:
             self._drop(f"a sequence's inbox is full ({type(msg).__name__})")
             return False
         return True
+
+
+def _micros(seconds: float) -> int:
+    """A DRAFT's time field: whole microseconds, within what a hub accepts."""
+    return min(max(round(seconds * 1e6), 0), limits.MAX_TIMING_US)

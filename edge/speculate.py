@@ -330,6 +330,8 @@ async def _answer(
     Returns False when the session should be re-opened instead (too far behind for one DRAFT).
     """
     accepted = 0
+    # the proposal is here: what the target spends from now on is part of the hub's round trip
+    prefill_mark, forwards_mark = batcher.prefill_clock(), (seq.stats.forward_s, seq.stats.forwards)
     if session.synced == seq.committed:
         if len(proposal.tokens) or proposal.alone <= 0:
             accepted, _ = await batcher.verify(seq, *draft)
@@ -352,8 +354,27 @@ async def _answer(
     session.taken = _branch_for(session, accepted, appended)
     taken = len(session.taken.tokens) if session.taken is not None else 0
     path = _path(proposal, kept)
-    await client.draft(session.tag, session.expected, accepted, appended, features, taken, path)
+    prefill_s = batcher.prefill_clock() - prefill_mark
+    forward_s = _mean_forward(seq, *forwards_mark)
+    await client.draft(
+        session.tag,
+        session.expected,
+        accepted,
+        appended,
+        features,
+        taken,
+        path,
+        prefill_s,
+        forward_s,
+    )
     return True
+
+
+def _mean_forward(seq: TargetSequence, seconds: float, forwards: int) -> float:
+    """The mean time of the forwards that carried ``seq`` since its stats read ``seconds`` in
+    ``forwards`` forwards (0.0: none)."""
+    count = seq.stats.forwards - forwards
+    return (seq.stats.forward_s - seconds) / count if count > 0 else 0.0
 
 
 def _path(proposal: Proposal, kept: list[int]) -> list[int] | None:

@@ -48,6 +48,9 @@ class SequenceStats:
     accepted: int = 0
     proposed: int = 0
     target_forwards: int = 0
+    # the batched forwards that carried it and their seconds (the batcher's, on the event loop)
+    forwards: int = 0
+    forward_s: float = 0.0
     standalone_steps: int = 0  # tokens decoded without the hub (fallback)
     alone_steps: int = 0  # tokens decoded alone because the hub asked (gamma 0)
     moves: int = 0  # times it resumed speculating on another hub after its hub was lost

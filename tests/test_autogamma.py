@@ -36,7 +36,7 @@ from starsd.hub.drafters.base import (
 )
 from starsd.hub.engine import DraftingEngine
 from starsd.hub.pacing import Pacer
-from starsd.hub.policy import GammaPolicy, Load, PolicyParams, SessionPacing
+from starsd.hub.policy import GammaPolicy, Load, Pending, PolicyParams, SessionPacing
 from starsd.hub.scheduler import FairQueue
 from starsd.hub.sessions import Limits, Session, SessionTable
 from starsd.protocol import Draft, Error, Open, Opened, Proposal, SamplingParams
@@ -130,6 +130,26 @@ async def test_spans_alone_between_drafts_stay_lossless(
         assert seq.stats.alone_steps > 0 and seq.stats.standalone_steps == 0
     assert sum(s.stats.accepted for s in seqs) > 0 and sum(s.stats.rounds for s in seqs) > 6
     assert peer.stats.alone_rounds > 0 and "gamma0=0.000" not in line
+
+
+async def test_a_targets_drafts_tell_the_hub_its_forward_times(
+    llama_pair: tuple[Path, Path], llama_target: models.LoadedModel
+) -> None:
+    """Catches the target's own times lost on the way (not measured, not sent, or not put on
+    the job the pacer learns from): its verifications and spans alone must reach the hub as
+    the time of the forwards that carried them."""
+    async with serving(_config(llama_pair[1]), Alternating()) as hub:
+        learn, seen = hub.pacer._learn, []
+
+        def record(job: DraftJob, pacing: SessionPacing, now: float) -> None:
+            seen.append((job.proposed, len(job.appended), job.forward_s, job.prefill_s))
+            learn(job, pacing, now)
+
+        hub.pacer._learn = record  # type: ignore[method-assign]
+        await _decode(hub.endpoint, llama_target, PROMPTS, 24, SamplingParams())
+    verdicts = [s for s in seen if s[1] > 0]  # (the OPEN's job answers nothing)
+    assert any(p > 0 for p, *_ in verdicts) and any(p == 0 for p, *_ in verdicts)
+    assert all(0 < forward < 5 and prefill == 0 for _, _, forward, prefill in verdicts)
 
 
 # a torch tensor viewing the message's read-only features warns (and writing it is undefined)
@@ -574,3 +594,63 @@ def test_the_pacer_votes_each_sessions_best_not_its_choice() -> None:
     assert plan == 2 and pacing.vote == 8  # it follows its batch, and votes for 8
     pacer.plan(job, Load(8, False, costs, common=2), 0.0)
     assert votes == [8]
+
+
+def test_the_targets_prefills_are_left_out_of_its_round_trip_and_its_span_alone() -> None:
+    """Catches a stream's prefill stalls priced as a gamma's cost (Draft.prefill_us ignored):
+    every new request's prompt stalls the rounds it overlaps, alone or drafting alike, but a
+    span alone is timed rarely, so the stalls landed in R(g) only and one target at
+    --concurrency 8 decoded half its tokens alone (0.93x the target alone, gamma 1 1.06x)."""
+    pacer = Pacer(GammaPolicy(PolicyParams(max_gamma=8)), None)
+    state = new_chain_state(list(PROMPT), SamplingParams(), 4)
+
+    def verdict(at: float, prefill_s: float, appended: tuple = (5,), proposed: int = 2) -> DraftJob:
+        return DraftJob(
+            b"s", 1, state, 0, appended, at, proposed=proposed, owner=b"p", auto=True,
+            prefill_s=prefill_s,
+        )  # fmt: skip
+
+    pacing = pacer.pacing_of(verdict(0.0, 0.0))
+    pacing.sent_at = 0.0
+    pacer._learn(verdict(0.300, 0.150), pacing, 0.300)
+    fit = pacing.round_trip
+    assert fit.sy / fit.w == pytest.approx(0.150)
+    pacing.pending, pacing.sent_at = Pending(0, [7]), 1.0  # then a span of 4 tokens alone
+    pacer._learn(verdict(1.0 + 4 * 0.100 + 0.200, 0.200, (1, 2, 3, 4), 0), pacing, 1.6)
+    assert pacing.alone_step == pytest.approx(0.100)
+
+
+def test_the_targets_forwards_set_the_round_trips_line() -> None:
+    """Catches R(g) read from round trips alone (Draft.forward_us ignored): rounds at one gamma
+    tell no slope and a stream's queues drown it, so a verify that costs 12 ms more per draft
+    token looked free and auto drafted gamma 3-8 where 2 was best (one CPU target at
+    --concurrency 8, 0.81-0.87x gamma 2); a slope taken from forwards that have not varied
+    their gamma; and a round drafted beside longer proposals priced at their forward (it waits
+    for it) instead of at its own gamma's, which sent the target's sessions alone."""
+    policy = GammaPolicy(PolicyParams(max_gamma=8))
+    s = policy.new_session(None)
+    shared = s.shared
+    for k in [0, 1] * 15:  # acceptance about one in two
+        s.estimate.observe(4, k)
+    for _ in range(6):
+        shared.observe_round(4, 0.200, 0.0)  # every round at gamma 4, no forward reported
+    s.alone_step = 0.300
+    costs = [0.0] + [0.011 + 0.005 * g for g in range(8)]  # S(8, g)
+    load = Load(batch=8, loaded=False, costs=costs)
+
+    def fresh_choice() -> int:
+        s.chosen = 0
+        return policy.choose(s, load)
+
+    assert shared.round_trip_line() == pytest.approx((0.200, 0.0))
+    flat = fresh_choice()
+    shared.observe_round(4, 0.200, 0.167)  # its forward: 33 ms of the round were outside it
+    shared.forward.observe(4, 0.167)
+    assert shared.round_trip_line()[1] == 0.0 and fresh_choice() == flat  # one gamma: no slope
+    for _ in range(3):
+        shared.forward.observe(0, 0.119)  # its steps alone
+    r0, r1 = shared.round_trip_line()
+    assert r1 == pytest.approx(0.012, rel=0.2) and r0 + 4 * r1 == pytest.approx(0.200, abs=0.005)
+    assert 1 <= fresh_choice() < flat
+    shared.observe_round(2, 0.400, 0.367)  # verified beside longer proposals: a long forward
+    assert shared.round_trip_line() == pytest.approx((r0, r1))  # priced at its own gamma

@@ -88,7 +88,7 @@ def test_each_plotted_mode_gets_the_prediction_of_its_own_load() -> None:
         "predicted_batched": {
             "c8": {"auto": 1.2},
             "3t": {"auto": 1.1},
-            "e3-c8": {"g1": 1.3, "auto": 1.25},
+            "e3-c8": {"g1": 1.3, "g2": 1.35, "auto": 1.25},
         },
     }
     assert predicted_for(result, "hub-g2") == 0.6
@@ -98,6 +98,7 @@ def test_each_plotted_mode_gets_the_prediction_of_its_own_load() -> None:
     assert predicted_for(result, "hub-3t") == 1.1
     assert predicted_for(result, "hub-e3-auto-c8") == 1.25  # the head's costs, not the LLM's
     assert predicted_for(result, "hub-e3-g1-c8") == 1.3
+    assert predicted_for(result, "hub-e3-g2-c8") == 1.35  # each fixed gamma its own
     assert math.isnan(predicted_for(result, "hub-e3-auto-c4"))
     assert math.isnan(predicted_for(result, "prompt-lookup"))
 

@@ -101,6 +101,22 @@ def test_a_sequence_counts_its_rounds_and_ends_where_the_hub_ends_it() -> None:
     assert rounds.take(_proposal(1, 0, alone=0)) is None  # nothing to verify nor to decode
 
 
+def test_an_emulated_target_reports_its_forwards_as_a_real_one_does() -> None:
+    """Catches the replay pricing R's slope other than a real target's hub does: a real target
+    reports its forwards' mean time (Draft.forward_us), the verification's or one step's of a
+    span alone, and the emulated ones must too (else the hub falls back to the round trips)."""
+    cfg = EmulationConfig(
+        hub="", verify_ms=3.0, alone_step_ms=2.0, duration=100.0, calibration=1.0, slices=1
+    )
+    rounds, _ = _rounds(cfg, _in_window(cfg))
+    verify = rounds.take(_proposal(0, 4))
+    assert verify is not None and verify.forward_s == pytest.approx(0.003)
+    rounds.settle(verify)
+    span = rounds.take(_proposal(1, 0, alone=5))
+    assert span is not None and len(span.appended) == 5
+    assert span.forward_s == pytest.approx(0.002)
+
+
 def test_a_rounds_bytes_are_the_proposals_as_received_when_known() -> None:
     """Catches the received size ignored (a proposal encoded again for every round) or a
     round's bytes counted without the DRAFT back."""

@@ -287,3 +287,22 @@ def test_a_failed_job_ends_its_session() -> None:
     tag = _open(table, peer)
     assert table.delivered(tag, 0, None) is not None
     assert tag not in table.sessions and not peer.tags and not table.owned_by
+
+
+@pytest.mark.parametrize("field", ["prefill_us", "forward_us"])
+@pytest.mark.parametrize("value", [-1, 600_000_001])
+def test_a_verdicts_times_outside_their_range_are_refused(field: str, value: int) -> None:
+    """Catches a DRAFT's times taken as sent: a negative prefill time made a round trip longer
+    than it was, one over the round trip made it negative, and either priced its target's
+    gammas (a hostile target's own only, but refused with a reason rather than learnt)."""
+    table, _ = _table()
+    peer = _peer(table, b"A")
+    tag = _open(table, peer)
+    table.delivered(tag, 0, 4)
+    appended = np.array([3], dtype=np.int32)
+    error = _refused(
+        ErrorCode.INVALID_ARGUMENT, table.draft, peer, Draft(tag, 1, 2, appended, **{field: value})
+    )
+    assert field in str(error) and peer.stats.rounds == 0
+    session, _ = table.draft(peer, Draft(tag, 1, 2, appended, **{field: 600_000_000}))
+    assert session.in_flight and peer.stats.rounds == 1

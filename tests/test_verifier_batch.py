@@ -320,6 +320,40 @@ async def test_a_sequence_that_starts_out_of_step_joins_its_batch_mates(
     assert batcher.stats.forwards <= steps + 2  # they merged at once: not 2 x steps
 
 
+async def test_the_prefill_clock_and_each_sequences_forward_time(
+    backend: TorchBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches the times a DRAFT reports counted wrong: the prefill time (Draft.prefill_us)
+    counting decoding forwards, or missing the prefill still running when it is read (a
+    proposal that arrives mid-prefill waits out the rest of it); a sequence's forward time
+    (Draft.forward_us) counting prefills or forwards that did not carry it."""
+
+    def slow_compute(backend: TorchBackend, batch: list) -> object:
+        time.sleep(0.05 if batch[0].kind == batcher_module.PREFILL else 0.01)
+        return compute(backend, batch)
+
+    compute = batcher_module.compute
+    monkeypatch.setattr(batcher_module, "compute", slow_compute)
+    async with Batcher(backend, max_batch=8) as batcher:
+        engine = Engine(backend, batcher)
+        a, b = (engine.new_sequence(p, GREEDY, 8) for p in (PROMPTS[0], PROMPTS[2]))
+        await batcher.prefill(a)
+        assert batcher.prefill_clock() >= 0.05 and a.stats.forwards == 0
+        before = batcher.prefill_clock()
+        await batcher.step(a)
+        assert batcher.prefill_clock() == before  # a decoding forward is no prefill
+        assert a.stats.forwards == 1 and a.stats.forward_s >= 0.01
+        carried = a.stats.forward_s
+        prefill_b = asyncio.ensure_future(batcher.prefill(b))
+        while batcher._prefill_from is None:  # b's prefill is running ...
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        assert batcher.prefill_clock() >= before + 0.01  # ... and counts before it ends
+        await prefill_b
+        assert batcher.prefill_clock() >= before + 0.05
+        assert a.stats.forwards == 1 and a.stats.forward_s == carried  # b's prefill is not a's
+
+
 @pytest.mark.parametrize("gather", [True, False])
 async def test_a_proposal_due_shortly_joins_the_forward(
     backend: TorchBackend, gather: bool

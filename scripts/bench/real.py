@@ -15,11 +15,11 @@ drifts up to 3x within minutes), over held-out chat prompts, greedy:
   generation with its defaults and the same draft, given the target's vocabulary in this process
   (``scripts.bench.assisted.in_target_vocabulary``): the single-process peers;
 * at ``--concurrency`` 4 and 8: ``standalone-cN`` and ``hub-auto-cN`` (the draft LLM), and
-  with the EAGLE-3 head ``hub-e3-auto-cN`` and ``hub-e3-g1-cN``: a stream of 3N chats (at
-  most the 16 held out: 12 at 4, 16 at 8), N at a time (a server's load: a request starts as
-  one ends), their rate over the run's wall time. One closed batch of N would mostly measure
-  its tail, where the batch thins as sequences end (more so with speculation: its sequences
-  end rounds apart), and the model describes full batches;
+  with the EAGLE-3 head ``hub-e3-auto-cN``, ``hub-e3-g1-cN`` and ``hub-e3-g2-cN``: a stream of
+  3N chats (at most the 16 held out: 12 at 4, 16 at 8), N at a time (a server's load: a
+  request starts as one ends), their rate over the run's wall time. One closed batch of N
+  would mostly measure its tail, where the batch thins as sequences end (more so with
+  speculation: its sequences end rounds apart), and the model describes full batches;
 * with ``models/smollm2-eagle3`` present (``make real-eagle-heads``), a second hub drafting
   with that EAGLE-3 head: ``hub-e3-auto``, ``hub-e3-g1``, ``hub-e3-g2``, and the centralized
   loop with the head, ``central-e3-g1/g2/g4`` (the model's inputs for the head);
@@ -71,6 +71,7 @@ from starsd.tree_shapes import TreeShape
 TARGET, DRAFT = models.PAIRS["smollm2"]
 EAGLE3 = REPO / "models" / "smollm2-eagle3"  # the target's EAGLE-3 head, when it is there
 CENTRAL_GAMMAS = (1, 2, 4)
+BATCHED_GAMMAS = (1, 2)  # fixed gammas at --concurrency N (the model's best there is 1 or 2)
 CONCURRENCIES = (4, 8)
 PROMPTS_PER_SLOT = 3  # at --concurrency N: a stream of 3N chats (all 16 held-out ones at 8)
 HELD_OUT = len(HELD_OUT_TOPICS)
@@ -349,7 +350,8 @@ def plan(b: Bench, quick: bool) -> dict[str, Mode]:
         modes[f"hub-auto-c{n}"] = b.hub(stream, n)
         if b.eagle3 is not None:
             modes[f"hub-e3-auto-c{n}"] = b.hub(stream, n, drafter="e3")
-            modes[f"hub-e3-g1-c{n}"] = b.hub(stream, n, "--gamma", "1", drafter="e3")
+            for g in BATCHED_GAMMAS:  # the fixed gammas auto is judged against
+                modes[f"hub-e3-g{g}-c{n}"] = b.hub(stream, n, "--gamma", str(g), drafter="e3")
     groups = [chat_rows(3, 3 * i) for i in range(MANY_TARGETS)]
     modes[f"standalone-{MANY_TARGETS}t"] = lambda: run_many(
         groups, b.work, b.tokens, ["--standalone"]
@@ -436,7 +438,7 @@ def paired_baselines(quick: bool) -> dict[str, str]:
     pairs = {
         f"{mode}-c{n}": f"standalone-c{n}"
         for n in CONCURRENCIES
-        for mode in ("hub-auto", "hub-e3-auto", "hub-e3-g1")
+        for mode in ("hub-auto", "hub-e3-auto", *(f"hub-e3-g{g}" for g in BATCHED_GAMMAS))
     }
     return pairs | {f"hub-{MANY_TARGETS}t": f"standalone-{MANY_TARGETS}t"}
 
@@ -470,11 +472,10 @@ def predicted_for(result: dict[str, Any], mode: str) -> float:
     key = mode.removeprefix("hub-").removeprefix("central-")
     if key in pred:
         return pred[key]
-    for prefix, drafter in (("hub-auto-c", ""), ("hub-e3-auto-c", "e3-"), ("hub-e3-g1-c", "e3-")):
-        if mode.startswith(prefix):
-            concurrency = "c" + mode.removeprefix(prefix)
-            gamma = "g1" if "-g1-" in mode else "auto"
-            return batched.get(drafter + concurrency, {}).get(gamma, float("nan"))
+    batched_modes = re.fullmatch(r"hub-(e3-)?(auto|g\d+)-(c\d+)", mode)
+    if batched_modes:
+        drafter, gamma, concurrency = batched_modes.groups()
+        return batched.get((drafter or "") + concurrency, {}).get(gamma, float("nan"))
     if mode.startswith("hub-") and mode.endswith("t"):
         return batched.get(mode.removeprefix("hub-"), {}).get("auto", float("nan"))
     return float("nan")

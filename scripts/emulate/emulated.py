@@ -113,7 +113,9 @@ async def _one_sequence(
             return
         await asyncio.sleep(ans.wait_s)
         seq = rounds.settle(ans)
-        await client.draft(tag, seq, ans.accepted, ans.appended, path=ans.path)
+        await client.draft(
+            tag, seq, ans.accepted, ans.appended, path=ans.path, forward_s=ans.forward_s
+        )
 
 
 async def _next_message(

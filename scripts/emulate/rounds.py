@@ -32,6 +32,12 @@ class Answer:
     path: list[int] | None  # the accepted path after a token tree; None after a chain
     wire_bytes: int | None = None  # the proposal's size as received (None: not known)
 
+    @property
+    def forward_s(self) -> float:
+        """What a real target reports as its forwards' mean time (Draft.forward_us): the
+        verification's, or one step's of a span alone."""
+        return self.wait_s if len(self.proposal.tokens) else self.wait_s / len(self.appended)
+
 
 def answer(
     cfg: EmulationConfig,

@@ -209,7 +209,11 @@ class Pacer:
         """Update the session's estimates from ``job``; after a span alone, add the span's
         tokens (and feature rows) to the verdict held since then."""
         pacing.wait += _WAIT_SMOOTHING * (max(now - job.enqueued_at, 0.0) - pacing.wait)
-        since = None if pacing.sent_at is None else job.enqueued_at - pacing.sent_at
+        # The round trip and the span alone without the target's prefills of other sequences
+        # (Draft.prefill_us): a stream's new requests stall every round they overlap, alone or
+        # drafting alike, and those stalls, in the round trips only (a span alone is timed
+        # rarely), priced speculation at one target at --concurrency 8 over decoding alone.
+        since = None if pacing.sent_at is None else job.enqueued_at - pacing.sent_at - job.prefill_s
         held = pacing.pending
         if held is not None:  # the DRAFT after a span alone: accepted 0, the span's tokens
             # (for a --gamma 0 session, one of several spans since it last drafted)
@@ -218,11 +222,14 @@ class Pacer:
                 held.features.append(job.features)
             if since is not None and since > 0 and job.appended:
                 self._timed_alone(pacing, since / len(job.appended))
+            if job.forward_s > 0:  # its steps: a forward of no draft tokens
+                pacing.shared.forward.observe(0, job.forward_s)
             return
         # A verify commits exactly one token after the accepted ones: anything else means the
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.
         if job.proposed >= 1 and len(job.appended) == 1 and pacing.asked_at is not None:
-            seconds = job.enqueued_at - pacing.asked_at  # the whole round, asked to answered
+            # the whole round, asked to answered (the prefills left out, as above)
+            seconds = job.enqueued_at - pacing.asked_at - job.prefill_s
             self.shapes.observe(pacing.shape, pacing.shape_phases, job.accepted + 1, seconds)
         if pacing.shape != CHAIN:  # a tree's path is no chain's acceptance per position
             return
@@ -235,7 +242,9 @@ class Pacer:
             # session switched, and each switch back cost). Alone, a probe is a plain round.
             probe_in_batch = pacing.probing and pacing.shared.batched(pacing)
             if since is not None and since > 0 and not probe_in_batch:
-                pacing.round_trip.observe(job.proposed, since)
+                pacing.shared.observe_round(job.proposed, since, job.forward_s)
+            if job.forward_s > 0:
+                pacing.shared.forward.observe(job.proposed, job.forward_s)
 
     def _timed_alone(self, pacing: SessionPacing, step: float) -> None:
         old = pacing.alone_step

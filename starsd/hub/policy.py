@@ -13,7 +13,13 @@ Terms (per session, times in seconds):
             fitted per B as a(B) + (g - 1) b(B) (one feed forward, then g - 1 decode steps),
             b(B) shrunk toward a line over B fitted to every size's data (ServiceModel);
   R(g)      the round trip outside the hub, from our proposal leaving to the target's next DRAFT
-            arriving (its verify of g + 1 positions plus the link), fitted as r0 + r1 g;
+            arriving (its verify of g + 1 positions plus the link), less the time the target
+            says it spent prefilling other sequences meanwhile (Draft.prefill_us: no gamma
+            changes it), fitted as r0 + r1 g; r1 is the slope of the target's own forwards
+            against their gamma (Draft.forward_us, its steps alone at 0) once they tell one,
+            for a round trip's slope is the link's and the target's queues' noise more than its
+            verify's: at one CPU target at --concurrency 8 it read 0 for a verify that costs
+            12 ms more per draft token, and auto drafted gamma 3-5 where 1 was best;
   W         how long the session's jobs wait in Q_in before their batch starts;
   T_alone   the target's own decoding step: measured from the spans it decodes alone
             (R over the span / its tokens; the link is spread over the span), and before the
@@ -74,6 +80,8 @@ from dataclasses import dataclass, field
 
 from starsd.goodput import deviation_rates, gamma_rates, pick_gamma
 from starsd.hub.estimates import AcceptanceEstimate, LinearFit
+
+_OUTSIDE_SMOOTHING = 0.1  # weight of the newest round in the time outside the target's forward
 
 
 @dataclass(frozen=True)
@@ -214,11 +222,40 @@ class TargetPacing:
 
     estimate: AcceptanceEstimate
     round_trip: LinearFit = field(default_factory=lambda: LinearFit(forget=0.9, ridge=0.5))
+    # the target's own forwards (Draft.forward_us) against their draft tokens (0: steps alone):
+    # slow to forget, for its sessions report one forward each and its cost shape is the
+    # hardware's (at 0.9 the eight sessions of one forward erased the steps' points at once)
+    forward: LinearFit = field(default_factory=lambda: LinearFit(forget=0.98, ridge=0.5))
+    outside: float | None = None  # smoothed R less the forward that carried it: link, queues
     alone_step: float | None = None  # measured T_alone (smoothed), None before any span
     wait: float = 0.0  # smoothed W
     chosen: int = 0  # the gamma its sessions chose last (a new session starts there)
     # its sessions alive now (a session's pacing goes when its draft state does)
     sessions: weakref.WeakSet[SessionPacing] = field(default_factory=weakref.WeakSet)
+
+    def round_trip_line(self) -> tuple[float, float]:
+        """(r0, r1) of R(g) = r0 + r1 g: once the target's forwards tell a slope, their line
+        plus the time outside them (what a round costs were all its sessions at g: a round
+        drafted beside longer proposals waits for their forward, which the line prices at its
+        own g); else the round trips' own line."""
+        if self.outside is not None and self.forward.known and self.forward.slope_told():
+            f0, f1 = self.forward.coefficients()
+            return self.outside + f0, f1
+        return self.round_trip.coefficients()
+
+    def observe_round(self, gamma: int, seconds: float, forward_s: float) -> None:
+        """A round of ``gamma`` draft tokens took ``seconds`` outside the hub, ``forward_s`` of
+        them in the target's forward that verified it (0: not reported)."""
+        self.round_trip.observe(gamma, seconds)
+        if forward_s > 0:
+            outside = max(seconds - forward_s, 0.0)
+            old = self.outside
+            self.outside = outside if old is None else old + _OUTSIDE_SMOOTHING * (outside - old)
+
+    def slope_told(self) -> bool:
+        """Whether R's slope is the data's (the forwards' or the round trips'), not a prior."""
+        told = self.forward.known and self.forward.slope_told()
+        return told or self.round_trip.slope_told()
 
     def batched(self, session: SessionPacing) -> bool:
         """Whether another of its sessions is open beside ``session`` (the target's forwards
@@ -294,9 +331,9 @@ class SessionPacing:
             return hub
         if not self.round_trip.known:
             return None
-        r0, r1 = self.round_trip.coefficients()
+        r0, r1 = self.shared.round_trip_line()
         # (an intercept clamped to 0, a fit bent by one slow round, is no step: R(1) then)
-        step = r0 if self.round_trip.slope_told() and r0 > 0 else r0 + r1
+        step = r0 if self.shared.slope_told() and r0 > 0 else r0 + r1
         return step if step > 0 else None
 
 
@@ -415,7 +452,7 @@ class GammaPolicy:
         drafted batches of 4.2 instead of 6.0 whose longest proposal set everybody's wait, and
         auto lost 11% to a fixed gamma 4 at N = 8 while choosing 4 on average.
         """
-        r0, r1 = s.round_trip.coefficients()
+        r0, r1 = s.shared.round_trip_line()
         top = min(self.params.max_gamma, len(load.costs) - 1)
         outside = [s.wait + r0 + r1 * g for g in range(top + 1)]
         expected = s.estimate.expected_tokens()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from starsd import protocol
-from starsd.limits import MAX_APPENDED, MAX_PUSH
+from starsd.limits import MAX_APPENDED, MAX_PUSH, MAX_TIMING_US
 from starsd.protocol import Draft, ErrorCode, Open, ProtocolError, SamplingParams
 from starsd.stats import TargetStats
 
@@ -299,6 +299,9 @@ class SessionTable:
         problem = self._taken_problem(session, msg)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, problem
+        for name, value in (("prefill_us", msg.prefill_us), ("forward_us", msg.forward_us)):
+            if not 0 <= value <= MAX_TIMING_US:
+                return ErrorCode.INVALID_ARGUMENT, f"{name} {value} outside 0..{MAX_TIMING_US}"
         if self._full(session.length + msg.accepted + msg.appended.size):
             return ErrorCode.CONTEXT_FULL, "draft context is full"
         return self._feature_problem(msg.features, msg.accepted + msg.appended.size)
