@@ -211,8 +211,9 @@ class Pacer:
         pacing.wait += _WAIT_SMOOTHING * (max(now - job.enqueued_at, 0.0) - pacing.wait)
         # The round trip and the span alone without the target's prefills of other sequences
         # (Draft.prefill_us): a stream's new requests stall every round they overlap, alone or
-        # drafting alike, and those stalls, in the round trips only (a span alone is timed
-        # rarely), priced speculation at one target at --concurrency 8 over decoding alone.
+        # drafting alike, but only the round trips are timed often (a span alone rarely), so
+        # the stalls made speculating look slower than decoding alone: one target at
+        # --concurrency 8 decoded half its tokens alone where gamma 1 and 2 paid.
         since = None if pacing.sent_at is None else job.enqueued_at - pacing.sent_at - job.prefill_s
         held = pacing.pending
         if held is not None:  # the DRAFT after a span alone: accepted 0, the span's tokens

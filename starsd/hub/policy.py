@@ -15,11 +15,13 @@ Terms (per session, times in seconds):
   R(g)      the round trip outside the hub, from our proposal leaving to the target's next DRAFT
             arriving (its verify of g + 1 positions plus the link), less the time the target
             says it spent prefilling other sequences meanwhile (Draft.prefill_us: no gamma
-            changes it), fitted as r0 + r1 g; r1 is the slope of the target's own forwards
-            against their gamma (Draft.forward_us, its steps alone at 0) once they tell one,
-            for a round trip's slope is the link's and the target's queues' noise more than its
-            verify's: at one CPU target at --concurrency 8 it read 0 for a verify that costs
-            12 ms more per draft token, and auto drafted gamma 3-5 where 1 was best;
+            changes it), as r0 + r1 g: once the target's own forwards (Draft.forward_us)
+            against their gamma (its steps alone at 0) tell a slope, that line plus the time
+            outside the forward (TargetPacing.round_trip_line), else a line fitted to the
+            round trips. A round trip's slope is the link's and the target's queues' noise
+            more than its verify's: at one CPU target at --concurrency 8 it read 0 for a
+            verify that costs 12 ms more per draft token, and auto drafted gamma 3-8 where 2
+            was best;
   W         how long the session's jobs wait in Q_in before their batch starts;
   T_alone   the target's own decoding step: measured from the spans it decodes alone
             (R over the span / its tokens; the link is spread over the span), and before the
