@@ -240,10 +240,16 @@ class TargetPacing:
         plus the time outside them (what a round costs were all its sessions at g: a round
         drafted beside longer proposals waits for their forward, which the line prices at its
         own g); else the round trips' own line."""
-        if self.outside is not None and self.forward.known and self.forward.slope_told():
-            f0, f1 = self.forward.coefficients()
-            return self.outside + f0, f1
-        return self.round_trip.coefficients()
+        line = self._forward_line()
+        return line if line is not None else self.round_trip.coefficients()
+
+    def _forward_line(self) -> tuple[float, float] | None:
+        """R's line from the target's forwards and the time outside them; None until they
+        tell a slope (or no round has reported its forward)."""
+        if self.outside is None or not (self.forward.known and self.forward.slope_told()):
+            return None
+        f0, f1 = self.forward.coefficients()
+        return self.outside + f0, f1
 
     def observe_round(self, gamma: int, seconds: float, forward_s: float) -> None:
         """A round of ``gamma`` draft tokens took ``seconds`` outside the hub, ``forward_s`` of
@@ -255,9 +261,8 @@ class TargetPacing:
             self.outside = outside if old is None else old + _OUTSIDE_SMOOTHING * (outside - old)
 
     def slope_told(self) -> bool:
-        """Whether R's slope is the data's (the forwards' or the round trips'), not a prior."""
-        told = self.forward.known and self.forward.slope_told()
-        return told or self.round_trip.slope_told()
+        """Whether the slope of :meth:`round_trip_line` is the data's, not a prior."""
+        return self._forward_line() is not None or self.round_trip.slope_told()
 
     def batched(self, session: SessionPacing) -> bool:
         """Whether another of its sessions is open beside ``session`` (the target's forwards
