@@ -39,7 +39,9 @@ target falls below its speed alone; with ``hub_rounds_per_s`` (what the hub's me
 carries, measured by ``scripts/bench/hub_flood.py``) also the message bound, the last N whose
 rounds a second stay within it. That path is serial (one GIL), so it also costs every round:
 each round's messages take 1 / hub_rounds_per_s of it, and a batch's last job reaches the hub
-(B - 1) of those after its first (the model's ``per_message_s``). A hub is worth its targets
+(B - 1) of those after its first (the model's ``per_message_s``); a drafter profiled on a CPU
+computes on the cores that path runs on, so a batch of B is served in S(B) + B of those
+(``messages_share_drafter``). A hub is worth its targets
 up to N_hub = min(N_full, break-even, message bound) of every kind; the fleet of C targets
 needs ceil(C / N_hub) hubs (0 when speculation does not pay even for one target). Pure: no torch.
 """
@@ -147,9 +149,11 @@ def kind_inputs(
     max_batch: int,
     gamma: int,
     per_message_s: float = 0.0,
+    messages_share_drafter: bool = False,
 ) -> analytic.ModelInputs:
     """The analytic model's inputs for one target kind at the reference ``gamma``;
-    ``per_message_s``: the hub's serial cost per round's messages (1 / hub_rounds_per_s)."""
+    ``per_message_s``: the hub's serial cost per round's messages (1 / hub_rounds_per_s);
+    ``messages_share_drafter``: the drafter computes on the hub's CPU (:func:`drafts_on_cpu`)."""
     return analytic.ModelInputs(
         alpha=alpha,
         gamma=gamma,
@@ -161,7 +165,15 @@ def kind_inputs(
         curve=curve,
         verify_per_token_s=verify_slope(target),
         per_message_s=per_message_s,
+        messages_share_drafter=messages_share_drafter,
     )
+
+
+def drafts_on_cpu(draft: Profile) -> bool:
+    """Whether the draft profile was measured on a CPU: such a drafter computes on the cores
+    the hub's event loop handles messages on, and the two take turns (a GPU drafter waits on
+    its device while the loop runs)."""
+    return draft.device == "cpu"
 
 
 def verify_slope(target: Profile) -> float:

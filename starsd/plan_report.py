@@ -59,9 +59,12 @@ def build_plan(req: PlanRequest) -> planning.Plan:
     if rounds is not None and not 0.0 < rounds < float("inf"):
         raise ProfileError(f"--hub-rounds-per-s: {rounds} is not a rate > 0")
     message_s = 1.0 / rounds if rounds else 0.0  # the hub's serial cost per round's messages
+    shared = planning.drafts_on_cpu(draft)
     kinds = tuple(
         planning.Kind(
-            t, n, planning.kind_inputs(curve, t, alpha, link_s, req.max_batch, gamma, message_s)
+            t,
+            n,
+            planning.kind_inputs(curve, t, alpha, link_s, req.max_batch, gamma, message_s, shared),
         )
         for t, n in targets
     )
@@ -138,9 +141,11 @@ def _message_text(p: planning.Plan) -> str:
     rounds = p.hub_rounds_per_s
     if rounds is None:
         return "taken as free (no --hub-rounds-per-s): a batch's jobs all arrive at once"
+    shared = p.kinds[0].inputs.messages_share_drafter
     return (
         f"{rounds:.0f} rounds/s (--hub-rounds-per-s): {1e3 / rounds:.4f} ms of it a round, a "
         "batch of B starts (B - 1) of those after its first job"
+        + ("; the CPU drafter takes turns with it: S(B) + B of those" if shared else "")
     )
 
 

@@ -69,6 +69,11 @@ class Profile:
         """The model's name (the link's endpoint for a link profile)."""
         return str(self.raw.get("model", {}).get("name") or Path(self.path).stem)
 
+    @property
+    def device(self) -> str:
+        """Where it was measured (``machine.device``: cpu, cuda, ...; "" if not said)."""
+        return str(self.raw.get("machine", {}).get("device", ""))
+
     def cells(self, field: str) -> list[dict[str, Any]]:
         """The cells of ``grid.<field>``."""
         value = self.raw["grid"][field]

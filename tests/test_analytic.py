@@ -404,6 +404,23 @@ def test_taken_branches_take_the_link_off_their_rounds_and_nothing_fully_loaded(
         dataclasses.replace(base, hit_rate=0.2, taken_rate=0.3)
 
 
+def test_a_cpu_drafter_takes_turns_with_the_message_path() -> None:
+    """Where the drafter computes on the hub's CPU, a batch of B is served in S(B) + B c:
+    catches the term left out (the CPU sweep's plan read 20% over at N = 128, batches of 64
+    taking 36 ms against the profile's 29), charged per batch instead of per job, or charged
+    to a drafter that does not share the processor (a GPU's, the emulated one)."""
+    curve = _curve((1, 0.010), (64, 0.020))
+    base = ModelInputs(0.7, 4, 0.010, 0.020, 0.001, 0.010, max_batch=64, curve=curve)
+    apart = dataclasses.replace(base, per_message_s=0.0005)
+    shared = dataclasses.replace(apart, messages_share_drafter=True)
+    for b in (1, 8, 64):
+        assert math.isclose(analytic.service_s(shared, b), analytic.service_s(apart, b) + b * 5e-4)
+    assert analytic.service_s(apart, 64) == analytic.service_s(base, 64)
+    full = analytic.predict(shared, 256)  # four full batches a cycle, nothing else
+    assert full.regime == "fully-loaded"
+    assert math.isclose(full.iteration_s, 4 * (analytic.service_s(base, 64) + 64 * 5e-4))
+
+
 def test_a_batch_waits_for_its_jobs_to_arrive() -> None:
     """Catches a model that lets a batch of B start when its first job arrives, though the hub
     handles the B messages one after another (measured: 21-32% over-prediction at N = 8-32 on

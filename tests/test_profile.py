@@ -215,7 +215,9 @@ def test_plan_is_the_analytic_model(tmp_path: Path, gamma: int | None) -> None:
     inputs = analytic.ModelInputs(0.75, 4, curve.at(1, 4), v14, 0.4e-3, t1, 16, curve)
     # V(1, g) = 6 (1 + 0.05 g) ms: 0.3 ms more per draft token
     assert kind.inputs.verify_per_token_s == pytest.approx(0.3e-3, rel=1e-9)
-    inputs = dataclasses.replace(inputs, verify_per_token_s=kind.inputs.verify_per_token_s)
+    inputs = dataclasses.replace(
+        inputs, verify_per_token_s=kind.inputs.verify_per_token_s, messages_share_drafter=True
+    )  # a CPU draft profile: its drafter takes turns with the message path (free here)
     assert kind.inputs == inputs
     for row in planning.rows(plan, planning.sweep(64)):
         n = row["n"]
@@ -322,6 +324,29 @@ def test_the_hubs_message_path_delays_every_batch(tmp_path: Path) -> None:
     assert slow < fast
     assert "0.5000 ms of it a round" in "\n".join(plan_report.header(bounded, 8))
     assert "taken as free" in "\n".join(plan_report.header(free, 8))
+
+
+def test_a_cpu_drafters_plan_charges_it_the_message_path(tmp_path: Path) -> None:
+    """A draft profile measured on a CPU plans its batches at S(B) + B / R (the hub's event
+    loop takes turns with the drafter), one measured on a GPU at S(B); catches the term keyed
+    on the target's device, applied to a GPU drafter, or left out of the plan."""
+    cpu = write(tmp_path, "cpu.json", draft_raw())
+    gpu_raw = draft_raw()
+    gpu_raw["machine"]["device"] = "cuda"
+    gpu = write(tmp_path, "gpu.json", gpu_raw)
+    target = write(tmp_path, "t.json", target_raw())
+    made = {
+        name: plan_report.build_plan(
+            plan_report.PlanRequest(path, (target,), gamma=2, max_batch=8, hub_rounds_per_s=2e3)
+        )
+        for name, path in (("cpu", cpu), ("gpu", gpu))
+    }
+    on_cpu, on_gpu = (made[k].kinds[0].inputs for k in ("cpu", "gpu"))
+    assert on_cpu.messages_share_drafter and not on_gpu.messages_share_drafter
+    assert analytic.service_s(on_cpu, 8) == pytest.approx(analytic.service_s(on_gpu, 8) + 8 / 2e3)
+    slow, fast = (planning.rows(made[k], [64])[0]["system_tokens_per_s"] for k in ("cpu", "gpu"))
+    assert slow < fast
+    assert "takes turns" in "\n".join(plan_report.header(made["cpu"], 8))
 
 
 def test_mixed_fleet(tmp_path: Path) -> None:

@@ -93,15 +93,22 @@ def out_stem(base: str, draft: str, target: str) -> str:
 
 
 def plan_inputs(
-    pair: ProfilePair, alpha: float, link_s: float, max_batch: int, gamma: int
+    pair: ProfilePair,
+    alpha: float,
+    link_s: float,
+    max_batch: int,
+    gamma: int,
+    drafter_computes: bool = False,
 ) -> analytic.ModelInputs:
     """``starsd plan``'s inputs for one hub: V(1, g) at ``gamma`` where both profiles measured
-    it, else at the plan's reference gamma."""
+    it, else at the plan's reference gamma. ``drafter_computes``: the hub runs the profiled
+    drafter itself, not the emulated one that sleeps (then a CPU profile's drafter shares the
+    hub's CPU with its message path, as ``starsd plan`` assumes)."""
     measured = set(pair.draft.gammas("service_ms")) & set(pair.target.gammas("verify_ms"))
     ref = gamma if gamma in measured else plan.reference_gamma(pair.draft, [pair.target])
-    inputs = plan.kind_inputs(
-        plan.service_curve(pair.draft), pair.target, alpha, link_s, max_batch, ref
-    )
+    shared = drafter_computes and plan.drafts_on_cpu(pair.draft)
+    curve = plan.service_curve(pair.draft)
+    inputs = plan.kind_inputs(curve, pair.target, alpha, link_s, max_batch, ref, 0.0, shared)
     return inputs if ref == gamma else analytic.at_gamma(inputs, gamma)
 
 
@@ -238,7 +245,8 @@ def scale_check(result: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
         if spec is None or (not replayed and not record["mode"].startswith("emulated-")):
             continue
         max_batch, gamma, auto = spec
-        annotate(record, plan_inputs(pair, cfg.alpha, link_s, max_batch, gamma), auto, message_s)
+        inputs = plan_inputs(pair, cfg.alpha, link_s, max_batch, gamma, not replayed)
+        annotate(record, inputs, auto, message_s)
         annotated.append(record)
     sweep = [r for r in annotated if r["mode"] == "emulated-batched"]
     source = "the suite's null-drafter round"

@@ -17,7 +17,9 @@ B_1 = ceil(N / k)). The hub's iteration takes T_gamma = T_busy + T_idle, where
 T_busy = sum_j S(B_j) and T_idle = max(0, S(B_1) + R + (B_1 - 1) c - T_busy): a target's own
 cycle is at least its batch's service plus R, plus the time its batch takes to assemble (the hub
 handles messages one after another, c each, and gathers a batch's jobs before drafting it), and
-the hub waits for verdicts when the other batches are done sooner.
+the hub waits for verdicts when the other batches are done sooner. Where the drafter computes on
+the processor the message path runs on (``messages_share_drafter``: a CPU drafter beside the
+hub's event loop), the two take turns and a batch of B is served in S(B) + B c.
 
   system tok/s = N * E[L] / T_gamma, per-target tok/s = E[L] / T_gamma, hub busy = T_busy / T_gamma.
 
@@ -100,6 +102,9 @@ class ModelInputs:
     # jobs of one batch arrive one after another, so the batch of B starts (B - 1) c after its
     # first (gathering waits for them)
     per_message_s: float = 0.0
+    # the drafter computes on the processor the hub's message path runs on (a CPU drafter):
+    # the two take turns, so each job's messages lengthen its batch's service by c
+    messages_share_drafter: bool = False
     tree: TreeRound | None = None  # every round drafts this tree (None: chains of gamma)
     # dV/dg: how much the verify grows per draft token (0: R constant in gamma); a GPU's
     # verify of 2 or 9 positions costs about one step, a CPU's grows with every position
@@ -205,7 +210,13 @@ def round_trip_outside_hub(inputs: ModelInputs) -> float:
 
 def service_s(inputs: ModelInputs, batch: int) -> float:
     """S(batch): the curve's value (a tree round's with a tree), or ``draft_s`` for the
-    one-at-a-time hub."""
+    one-at-a-time hub; plus ``batch`` x c where the messages share the drafter's processor."""
+    shared = batch * inputs.per_message_s if inputs.messages_share_drafter else 0.0
+    return _drafting_s(inputs, batch) + shared
+
+
+def _drafting_s(inputs: ModelInputs, batch: int) -> float:
+    """The drafter's own time for a batch, as profiled."""
     if inputs.curve is None:
         return inputs.draft_s
     if inputs.tree is not None:
