@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -25,8 +26,8 @@ from edge.client import HubClient
 from edge.handshake import TargetInfo
 from edge.speculate import generate_speculative
 from edge.verifier import TargetSequence
+from starsd import analytic, models, transport
 from starsd import hub as hub_module
-from starsd import models, transport
 from starsd.hub.drafters.base import (
     ChainState,
     DraftJob,
@@ -654,3 +655,63 @@ def test_the_targets_forwards_set_the_round_trips_line() -> None:
     assert 1 <= fresh_choice() < flat
     shared.observe_round(2, 0.400, 0.367)  # verified beside longer proposals: a long forward
     assert shared.round_trip_line() == pytest.approx((r0, r1))  # priced at its own gamma
+
+
+def test_trees_are_tried_only_where_the_model_says_they_could_pay() -> None:
+    """Catches trees tried whatever the target's verification costs (on a CPU target at
+    --concurrency 8, ~12 ms a node on ~165 ms, 8-node trees read half the chains' rate and
+    their trials took 10-18% of a stream's rounds), and a gate that keeps them from a target whose
+    verification is flat (a GPU's), where their longer accepted path pays."""
+    from starsd.hub.shapes import CHAIN, trees_worth_trying
+    from starsd.tree_shapes import TreeShape
+
+    expected = [analytic.expected_tokens_per_round(0.7, g) for g in range(9)]
+    costs = [0.0] + [0.002 + 0.0005 * g for g in range(8)]
+    trees = [TreeShape(2, 4, 8), TreeShape(2, 3, 4)]
+
+    def flat(x: int) -> float:
+        return 0.010
+
+    def steep(x: int) -> float:
+        return 0.165 + 0.012 * x
+
+    assert trees_worth_trying(expected, 4, trees, costs, flat) >= {CHAIN, 1}
+    assert CHAIN in trees_worth_trying(expected, 2, trees, costs, steep)
+    assert 1 not in trees_worth_trying(expected, 2, trees, costs, steep)
+
+
+def test_a_chain_beside_tree_rounds_is_left_out_of_the_round_trip() -> None:
+    """Catches a chain drafted while the hub's sessions draft trees feeding R(g): its target
+    may verify it beside their nodes, and those rounds priced every chain at a tree's cost
+    (the target's sessions then went alone); its acceptance still counts, and a chain drafted
+    in a chain phase feeds R as before. Also: a session whose target the model says trees do
+    not pay for drafts its chain, outside the tree phase."""
+    from starsd.hub.pacing import TreePlan
+    from starsd.tree_shapes import TreeShape
+
+    pacer = Pacer(GammaPolicy(PolicyParams(max_gamma=8)), None, trees=TreePlan("auto", ()))
+    state = new_chain_state(list(PROMPT), SamplingParams(), 4)
+    job = DraftJob(b"s", 1, state, 0, (5,), enqueued_at=0.2, proposed=2, owner=b"p", auto=True)
+    pacing = pacer.pacing_of(job)
+    pacing.sent_at, pacing.beside_trees = 0.0, True
+    pacer._learn(job, pacing, 0.2)
+    assert pacing.estimate.rounds == 1 and not pacing.round_trip.known
+    pacing.beside_trees = False
+    pacer._learn(job, pacing, 0.2)
+    assert pacing.estimate.rounds == 2 and pacing.round_trip.known
+
+    steep = Pacer(
+        GammaPolicy(PolicyParams(max_gamma=8)), None, trees=TreePlan("auto", (TreeShape(2, 4, 8),))
+    )
+    steep.shapes.tried.add(0)  # chains measured: the next phase is the tree's trial
+    pacing = steep.pacing_of(job)
+    pacing.explored, pacing.alone_step, pacing.chosen = True, 0.200, 2
+    for k in [0, 1] * 10:
+        pacing.estimate.observe(4, k)
+    for g in (0, 2, 4) * 4:
+        pacing.shared.forward.observe(g, 0.165 + 0.012 * g)
+        pacing.shared.observe_round(g or 1, 0.180 + 0.012 * g, 0.165 + 0.012 * g)
+    costs = [0.0] + [0.011 + 0.005 * g for g in range(8)]
+    asking = dataclasses.replace(job, tree_nodes=8)
+    option, phase = steep._shape(asking, pacing, Load(8, False, costs), 1.0)
+    assert (option, phase) == (0, 1) and steep.shapes.current == 0  # a chain phase, not a trial

@@ -414,6 +414,23 @@ def test_a_shape_figure_from_another_load_is_measured_anew(
     assert not hub.chooser.best
 
 
+@pytest.mark.parametrize("tree_rate, retried", [(5, False), (9, True)])
+def test_a_shape_that_lost_by_more_than_the_load_moved_is_not_re_tried(
+    tree_rate: int, retried: bool
+) -> None:
+    """Catches a re-trial after every load move whatever the margin the loser lost by (trees
+    at half the chains' rate on a CPU target at --concurrency 8 were re-tried each time its
+    sessions came and went) and one skipped where the move could have turned the comparison:
+    a load falling from 8 to 5 sessions (1.6x) re-tries trees at 9 against chains' 11, not at
+    5 (a figure moves with the load at most in proportion)."""
+    hub = _Rounds()
+    hub.run(8, {True: tree_rate, False: 11}, MIN_PHASE + 5 * _phase(8))
+    assert not hub.chooser.best
+    moved = hub.run(5, {True: tree_rate, False: 11}, 5 * _phase(5))
+    assert ("t" * _phase(5) in moved) == retried
+    assert retried or "t" not in moved
+
+
 def test_sampling_a_tree_uses_the_sessions_own_generator(llama_pair: tuple[Path, Path]) -> None:
     """Catches sampled trees drawn from a global generator (a session's draws would depend on
     its batch): a session's sampled tree is the same drafted alone or beside others."""

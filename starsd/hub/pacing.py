@@ -24,6 +24,7 @@ target's as before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from starsd.hub.policy import (
     Pending,
     SessionPacing,
 )
-from starsd.hub.shapes import CHAIN, ShapeChooser
+from starsd.hub.shapes import CHAIN, ShapeChooser, trees_worth_trying
 from starsd.tree_shapes import TreeShape
 
 log = logging.getLogger("starsd.hub")
@@ -130,6 +131,7 @@ class Pacer:
         option, phase = self._shape(job, pacing, load, now)
         job.state.tree = self._tree(option, job.tree_nodes)
         pacing.shape, pacing.asked_at = option, job.enqueued_at
+        pacing.beside_trees = option == CHAIN and self.shapes.current != CHAIN
         pacing.shape_phases = (phase, pacing.shape_phases[0])
         return Plan(job.state.gamma, held=held)
 
@@ -150,7 +152,22 @@ class Pacer:
         # others chains until the gamma's figures are in
         if pacing.fixed is not None or not self.policy.settled(pacing):
             return CHAIN, -1
-        return self.shapes.use_shape(load is not None and load.loaded, now)
+        worth = self._trees_worth(pacing, load, job.tree_nodes)
+        option, phase = self.shapes.use_shape(load is not None and load.loaded, now, worth)
+        return (option, phase) if worth is None or option in worth else (CHAIN, -1)
+
+    def _trees_worth(
+        self, pacing: SessionPacing, load: Load | None, nodes: int
+    ) -> frozenset[int] | None:
+        """The options this session's figures say are worth trying (shapes.trees_worth_trying,
+        its trees capped at the target's ``nodes``); None before the hub's costs are timed."""
+        if load is None or self.trees is None:
+            return None
+        r0, r1 = pacing.shared.round_trip_line()
+        trees = [dataclasses.replace(t, nodes=min(t.nodes, nodes)) for t in self.trees.shapes]
+        expected = pacing.estimate.expected_tokens()
+        outside = functools.partial(_round_trip, pacing.wait + r0, r1)
+        return trees_worth_trying(expected, pacing.chosen, trees, load.costs, outside)
 
     def _tree(self, option: int, nodes: int) -> TreeShape | None:
         """Option ``option``'s tree, its nodes capped at the target's ``nodes``; None: a chain."""
@@ -241,6 +258,11 @@ class Pacer:
             # verification rides in a forward of the others' steps at a fraction of that (one
             # target at --concurrency 4: the probes' R(1) made drafting look 15% ahead, every
             # session switched, and each switch back cost). Alone, a probe is a plain round.
+            # A chain drafted while other sessions drafted trees is left out too: a target
+            # verifying it beside their nodes (a CPU's forward of 8 rows grew ~12 ms a node)
+            # priced every chain at the trees' cost, and the target's sessions went alone.
+            if pacing.beside_trees:
+                return
             probe_in_batch = pacing.probing and pacing.shared.batched(pacing)
             if since is not None and since > 0 and not probe_in_batch:
                 pacing.shared.observe_round(job.proposed, since, job.forward_s)
@@ -271,3 +293,8 @@ def _pending(job: DraftJob) -> Pending:
     """The verdict ``job`` carries, held until the session drafts again."""
     features = [] if job.features is None else [job.features]
     return Pending(job.accepted, list(job.appended), features)
+
+
+def _round_trip(intercept: float, slope: float, x: int) -> float:
+    """R(x) outside the hub, with x tokens or nodes to verify."""
+    return intercept + slope * x

@@ -29,12 +29,26 @@ under an H100 profile split between the shapes and made 0.77x the throughput of 
 The first phases try each option; then the best runs (with hysteresis) and the others are
 tried again now and then, in turn, since which wins moves with the load, less and less often
 while they keep losing. Owned by the drafting thread.
+
+Which trees are worth a trial at all is the model's to say (:func:`trees_worth_trying`): a
+session drafts a tree only if, priced with its target's round trip R(x) (the target's own
+forward line, where it reports one) and the hub's S(B, g), with E[L] of the tree from the
+session's acceptance (:func:`starsd.analytic.expected_tree_tokens`), the tree would make it more
+tokens per second than its chain. A target whose verification grows with every node (a CPU's:
+~12 ms a node on top of ~165 ms at 8 sequences) then drafts no 8-node tree, whose trials there
+read half the chains' rate and took 10-18% of a 35-s stream's rounds; on a GPU's flat
+verification the model admits them, and the measurement decides.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+from starsd import analytic
+from starsd.tree_shapes import TreeShape, ranked_tree
 
 log = logging.getLogger("starsd.hub")
 
@@ -64,6 +78,39 @@ _LOAD_CHANGE = 1.5
 # chains at 35 tokens/s a session, 54 a phase later), and both figures rest on one phase each:
 # switch only on twice the margin (but see ShapeChooser._retrial_margin)
 _RETRIAL_HYSTERESIS = 2 * _HYSTERESIS
+
+
+def trees_worth_trying(
+    expected: Sequence[float],
+    gamma: int,
+    trees: Sequence[TreeShape],
+    costs: Sequence[float],
+    outside: Callable[[int], float],
+) -> frozenset[int]:
+    """The options (CHAIN, and k for the k-th of ``trees``) the model expects to make a
+    session at least as many tokens per second as its chain of ``gamma`` (>= 1): E[L] over
+    S + R. ``expected``: E[L(g)] for g = 0..G; ``costs``: the hub's S(B, g) for g = 0..G (a
+    tree is priced as a chain of its depth, which its wider rows cost more than: the rule
+    errs toward trying it); ``outside(x)``: the round trip outside the hub with x tokens or
+    nodes to verify. A tree's E[L] takes the single alpha that gives the session's E[L] at
+    the tree's depth, and ``starsd.analytic.SIBLING_ALPHA`` for a node's later children."""
+    top = min(len(expected), len(costs)) - 1
+    gamma = min(max(gamma, 1), top)
+    chain = expected[gamma] / (costs[gamma] + outside(gamma))
+    worth = {CHAIN}
+    for option, shape in enumerate(trees, start=1):
+        depth = min(shape.depth, top)
+        alpha = analytic.alpha_from_mean_accepted(expected[depth] - 1.0, depth)
+        tokens = analytic.expected_tree_tokens(alpha, analytic.SIBLING_ALPHA, _parents(shape))
+        if tokens / (costs[depth] + outside(shape.nodes)) >= chain:
+            worth.add(option)
+    return frozenset(worth)
+
+
+@functools.lru_cache(maxsize=64)
+def _parents(shape: TreeShape) -> tuple[int, ...]:
+    """The parents of the tree the hub drafts in ``shape`` (its node budget met)."""
+    return ranked_tree(shape)[1]
 
 
 @dataclass
@@ -101,6 +148,10 @@ class ShapeChooser:
     awaiting: int | None = None  # a re-trial after a load move: its phase, until folded
     retrial: tuple[int, float] = (CHAIN, 0.0)  # the last re-trial's option, its stale load
     taken: dict[int, int] = field(default_factory=dict)  # the phase of each option's figure
+    # the options some session's model found worth trying (trees_worth_trying), in the running
+    # phase and the one before (CHAIN always); None: every option
+    worth: set[int] | None = None
+    worth_before: set[int] | None = None
 
     @property
     def current(self) -> int:
@@ -108,9 +159,16 @@ class ShapeChooser:
         record = self.phases.get(self.phase)
         return record.option if record is not None else CHAIN
 
-    def use_shape(self, loaded: bool, now: float) -> tuple[int, int]:
+    def use_shape(
+        self, loaded: bool, now: float, worth: Iterable[int] | None = None
+    ) -> tuple[int, int]:
         """This round's option (CHAIN, or a tree shape's number), asked at ``now``, and the
-        phase it belongs to (-1: none, a chain because the hub is fully loaded)."""
+        phase it belongs to (-1: none, a chain because the hub is fully loaded); ``worth``: the
+        options the asking session's model finds worth trying (None: all). A phase runs an
+        option some session found worth it lately; a session that does not takes its chain,
+        outside the phase."""
+        if worth is not None:
+            self.worth = (self.worth or {CHAIN}) | set(worth)
         if loaded:
             if self.current and self.phase:  # trees filled the hub
                 self._filled_by_trees(now)
@@ -144,6 +202,7 @@ class ShapeChooser:
             ending.concurrency = self.concurrency
             self._fold(self.phase - 1)  # its rounds are back by now
         self.phase, self.in_flight_s = self.phase + 1, 0.0
+        self.worth_before, self.worth = self.worth, None
         # PHASE_ROUNDS rounds per session in flight (at least MIN_PHASE: one session's 3 counted
         # rounds of a 4-round phase misjudged trees by 20%)
         self.left = max(round(PHASE_ROUNDS * self.concurrency), MIN_PHASE)
@@ -151,27 +210,39 @@ class ShapeChooser:
 
     def _choose(self) -> int:
         """The next phase's option: each tried first (chains first), then the comparison's,
-        the others measured anew after a load move, and the losers retried now and then."""
+        the others measured anew after a load move, and the losers retried now and then;
+        only options some session lately found worth trying (a favoured one that is no
+        longer gives way to chains)."""
+        allowed = self._allowed()
         for option in range(self.options):
-            if option not in self.tried:
+            if option not in self.tried and option in allowed:
                 self.tried.add(option)
                 return option
+        if self.best not in allowed:
+            self.best, self.awaiting = CHAIN, None
         if self.awaiting is not None and self.taken.get(self.best, 0) <= self.awaiting:
             return self.best  # a re-trial's rounds, or the favoured one's after it, still out
         margin = _HYSTERESIS if self.awaiting is None else self._retrial_margin()
         self.awaiting = None
         if len(self.goodput) > 1 and self.best in self.goodput:  # (trees filled the hub, ...)
-            stale = [o for o in self.goodput if o != self.best and self._stale(o)]
+            others = [o for o in self.goodput if o != self.best and o in allowed]
+            stale = [o for o in others if self._may_win_now(o)]
             if stale:  # the load moved: measure another anew
                 self.awaiting, self.retrial = self.phase, (stale[0], self.load[stale[0]])
                 return stale[0]
-            self._compare(margin)
+            self._compare(margin, others)
         self.phases_since_retry += 1
         if self.phases_since_retry >= self.retry_every:  # a loser once more, each in turn
             self.phases_since_retry = 0
             self.retry_every = min(2 * self.retry_every, _MAX_RETRY_EVERY)
-            return self._next_loser()
+            return self._next_loser(allowed)
         return self.best
+
+    def _allowed(self) -> set[int]:
+        """The options some session found worth trying in the last two phases (every option
+        until a session says)."""
+        said = [w for w in (self.worth_before, self.worth) if w is not None]
+        return set().union(*said) if said else set(range(self.options))
 
     def _retrial_margin(self) -> float:
         """The margin a re-trial after a load move switches on: twice the usual (a phase at
@@ -188,13 +259,13 @@ class ShapeChooser:
         """0 for a chain, then the trees from the smallest (the ladder's last) to the largest."""
         return 0 if option == CHAIN else self.options - option
 
-    def _next_loser(self) -> int:
-        """The option after the last retried one, skipping the best (the best itself when
-        there is no other)."""
+    def _next_loser(self, allowed: set[int]) -> int:
+        """The option after the last retried one among ``allowed``, skipping the best (the
+        best itself when there is no other)."""
         option = self.retried
-        while self.options > 1:
+        for _ in range(self.options):
             option = (option + 1) % self.options
-            if option != self.best:
+            if option != self.best and option in allowed:
                 self.retried = option
                 return option
         return self.best
@@ -217,6 +288,20 @@ class ShapeChooser:
         self.goodput[option], self.load[option] = rate, record.concurrency
         self.taken[option] = number
 
+    def _may_win_now(self, option: int) -> bool:
+        """Whether ``option``'s figure is stale and the load moved so that it could now beat
+        the favoured one. A round's time grows with the rounds in flight, at most in
+        proportion, so a load m times lower raises a figure at most m times and a load m
+        times higher lowers it at most m times: an option that lost by more than that cannot
+        have overtaken (trees at half the chains' rate on a CPU target at --concurrency 8
+        were re-tried each time its sessions came and went)."""
+        if not self._stale(option):
+            return False
+        now = max(self.concurrency, 1.0)
+        rises = max(self.load.get(option, now), 1.0) / now  # > 1: the load fell since
+        falls = now / max(self.load.get(self.best, now), 1.0)  # > 1: the load rose since
+        return self.goodput[option] * max(rises, 1.0) * max(falls, 1.0) > self.goodput[self.best]
+
     def _stale(self, option: int, now: float | None = None) -> bool:
         """Whether that option's figure was taken under another load than ``now`` (default:
         the last phase's)."""
@@ -236,11 +321,11 @@ class ShapeChooser:
         self._next_phase(now)
         self.phases[self.phase].option = CHAIN
 
-    def _compare(self, margin: float) -> None:
-        """Keep the favoured option unless another is better by ``margin`` (logged when it
-        turns)."""
+    def _compare(self, margin: float, others: Sequence[int]) -> None:
+        """Keep the favoured option unless one of ``others`` is better by ``margin`` (logged
+        when it turns)."""
         was, rates = self.best, self.goodput
-        challenger = max((o for o in rates if o != was), key=rates.__getitem__)
+        challenger = max(others, key=rates.__getitem__, default=was)
         if rates[challenger] > rates[was] * (1 + margin):
             self.best = challenger
             self.retry_every, self.phases_since_retry = _RETRY_EVERY, 0
