@@ -114,6 +114,7 @@ class Pacer:
         self._learn(job, pacing, now)
         if job.taken:
             job.state.tree = None  # a pushed branch is a chain
+            pacing.beside_trees = self.shapes.current != CHAIN
             return Plan(job.taken)
         held = pacing.pending is not None  # after a span alone this round is the probe
         before = pacing.chosen
@@ -141,7 +142,8 @@ class Pacer:
         """This round's option (CHAIN, or the plan's k-th tree shape) and its phase of the
         hub's :class:`~starsd.hub.shapes.ShapeChooser` (-1: none): never a tree to a target
         that does not verify them, nor for a pushed branch's round, nor under auto to a session
-        with a fixed gamma; under on the largest tree; otherwise the chooser's."""
+        with a fixed gamma; under on the largest tree; otherwise the chooser's, where this
+        session's figures say it is worth trying (else its chain, outside the phase)."""
         plan = self.trees
         if plan is None or job.tree_nodes < 1 or job.taken:
             return CHAIN, -1
