@@ -65,6 +65,7 @@ from starsd.protocol import (
     Stats,
     StatsRequest,
     Welcome,
+    timing_us,
 )
 
 log = logging.getLogger("edge.client")
@@ -365,7 +366,7 @@ class HubClient:
         ``forward_s``: the mean seconds of the forwards that carried this sequence since."""
         ids = np.asarray(appended, dtype=np.int32)
         nodes = None if path is None else np.asarray(path, dtype=np.int32).reshape(-1)
-        times = {"prefill_us": _micros(prefill_s), "forward_us": _micros(forward_s)}
+        times = {"prefill_us": timing_us(prefill_s), "forward_us": timing_us(forward_s)}
         self._routes.grant(tag, 0 if taken else 1)
         await transport.send(
             self.sock, Draft(tag, seq, accepted, ids, features, taken, nodes, **times)
@@ -523,8 +524,3 @@ class HubClient:
             self._drop(f"a sequence's inbox is full ({type(msg).__name__})")
             return False
         return True
-
-
-def _micros(seconds: float) -> int:
-    """A DRAFT's time field: whole microseconds, within what a hub accepts."""
-    return min(max(round(seconds * 1e6), 0), limits.MAX_TIMING_US)

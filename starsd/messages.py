@@ -21,6 +21,7 @@ from typing import ClassVar, TypeAlias
 
 import numpy as np
 
+from starsd.limits import MAX_TIMING_US
 from starsd.params import SamplingParams
 
 PROTOCOL_VERSION = 2
@@ -162,6 +163,12 @@ class Draft:
     # Beside the gamma of each, they tell the hub what one more draft token costs the target
     # without the link's and the queues' noise
     forward_us: int = field(default=0, metadata={"sparse": True})
+
+
+def timing_us(seconds: float) -> int:
+    """A DRAFT's time field (Draft.prefill_us, forward_us): whole microseconds, within the
+    0..MAX_TIMING_US a hub accepts."""
+    return min(max(round(seconds * 1e6), 0), MAX_TIMING_US)
 
 
 @dataclass(frozen=True)

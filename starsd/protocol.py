@@ -66,6 +66,7 @@ from starsd.messages import (  # the schema (re-exported: the protocol's public 
     compatibility_problems,
     curve_arrays,
     feature_taps,
+    timing_us,
 )
 from starsd.params import SamplingParams
 
@@ -103,6 +104,7 @@ __all__ = [
     "decode",
     "encode",
     "feature_taps",
+    "timing_us",
 ]
 
 # --------------------------------------------------------------------------- derived schema

@@ -715,3 +715,32 @@ def test_a_chain_beside_tree_rounds_is_left_out_of_the_round_trip() -> None:
     asking = dataclasses.replace(job, tree_nodes=8)
     option, phase = steep._shape(asking, pacing, Load(8, False, costs), 1.0)
     assert (option, phase) == (0, 1) and steep.shapes.current == 0  # a chain phase, not a trial
+
+
+def test_a_targets_tree_gate_is_worked_out_once_a_phase() -> None:
+    """Catches the model's tree gate worked out on every job of an auto session (~25 us each,
+    on the drafting thread) or never again after its first (a target whose figures moved kept
+    the old answer for good): within one ShapeChooser phase the target's answer stands, and
+    the next phase asks anew."""
+    from starsd.hub.pacing import TreePlan
+    from starsd.tree_shapes import TreeShape
+
+    pacer = Pacer(
+        GammaPolicy(PolicyParams(max_gamma=8)), None, trees=TreePlan("auto", (TreeShape(2, 4, 8),))
+    )
+    state = new_chain_state(list(PROMPT), SamplingParams(), 4)
+    job = DraftJob(b"s", 1, state, 0, (5,), enqueued_at=0.2, proposed=2, owner=b"p", auto=True)
+    pacing = pacer.pacing_of(job)
+    pacing.chosen = 2
+    costs = [0.0] + [0.002 + 0.0005 * g for g in range(8)]
+    for _ in range(20):
+        pacing.estimate.observe(4, 4)  # every draft accepted: the tree pays on a flat R
+        pacing.shared.observe_round(4, 0.010, 0.0)
+    load = Load(8, False, costs)
+    assert 1 in pacer._trees_worth(pacing, load, 8)
+    for _ in range(40):  # then R grows ~0.1 s a node: no tree pays
+        for g in (1, 4):
+            pacing.shared.observe_round(g, 0.010 + 0.1 * g, 0.0)
+    assert 1 in pacer._trees_worth(pacing, load, 8)  # the same phase: its answer stands
+    pacer.shapes.phase += 1
+    assert 1 not in pacer._trees_worth(pacing, load, 8)

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from starsd import params, protocol
+from starsd import limits, params, protocol
 from starsd.protocol import (
     Close,
     Draft,
@@ -648,3 +648,12 @@ def test_proposal_alone_travels_only_when_used() -> None:
     assert span["alone"] == 8
     out = decode(_frames(Proposal(TAG, 0, np.zeros(0, np.int32), alone=8)))
     assert isinstance(out, Proposal) and out.alone == 8
+
+
+def test_a_drafts_times_are_clamped_to_what_a_hub_accepts() -> None:
+    """Catches a target sending a time the hub refuses (INVALID_ARGUMENT would drop an honest
+    target's DRAFT): a clock read backwards gives 0, a stall past the limit gives the limit,
+    and the rest round to whole microseconds."""
+    assert protocol.timing_us(-0.001) == 0
+    assert protocol.timing_us(1e9) == limits.MAX_TIMING_US
+    assert protocol.timing_us(0.1234567) == 123457

@@ -240,7 +240,7 @@ class PolledEmulation:
         self.verdicts += 1
         path = None if ans.path is None else np.asarray(ans.path, dtype=np.int32)
         appended = np.asarray(ans.appended, dtype=np.int32)
-        forward_us = round(ans.forward_s * 1e6)  # as a real target reports its forwards
+        forward_us = protocol.timing_us(ans.forward_s)  # as a real target reports its forwards
         self._send(
             target, Draft(target.tag, seq, ans.accepted, appended, path=path, forward_us=forward_us)
         )

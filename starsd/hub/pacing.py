@@ -162,14 +162,21 @@ class Pacer:
         self, pacing: SessionPacing, load: Load | None, nodes: int
     ) -> frozenset[int] | None:
         """The options this session's figures say are worth trying (shapes.trees_worth_trying,
-        its trees capped at the target's ``nodes``); None before the hub's costs are timed."""
+        its trees capped at the target's ``nodes``); None before the hub's costs are timed.
+        Once per target and phase (its sessions share the figures, which a phase barely
+        moves; ~25 us a call, every job of an auto session otherwise)."""
         if load is None or self.trees is None:
             return None
-        r0, r1 = pacing.shared.round_trip_line()
+        shared, key = pacing.shared, (self.shapes.phase, nodes)
+        if shared.shapes_worth is not None and shared.shapes_worth[0] == key:
+            return shared.shapes_worth[1]
+        r0, r1 = shared.round_trip_line()
         trees = [dataclasses.replace(t, nodes=min(t.nodes, nodes)) for t in self.trees.shapes]
         expected = pacing.estimate.expected_tokens()
         outside = functools.partial(_round_trip, pacing.wait + r0, r1)
-        return trees_worth_trying(expected, pacing.chosen, trees, load.costs, outside)
+        worth = trees_worth_trying(expected, pacing.chosen, trees, load.costs, outside)
+        shared.shapes_worth = (key, worth)
+        return worth
 
     def _tree(self, option: int, nodes: int) -> TreeShape | None:
         """Option ``option``'s tree, its nodes capped at the target's ``nodes``; None: a chain."""

@@ -232,6 +232,9 @@ class TargetPacing:
     alone_step: float | None = None  # measured T_alone (smoothed), None before any span
     wait: float = 0.0  # smoothed W
     chosen: int = 0  # the gamma its sessions chose last (a new session starts there)
+    # the round shapes its figures found worth trying (Pacer._trees_worth), and for which
+    # (ShapeChooser phase, tree node budget): worked out once per phase, not per job
+    shapes_worth: tuple[tuple[int, int], frozenset[int]] | None = None
     # its sessions alive now (a session's pacing goes when its draft state does)
     sessions: weakref.WeakSet[SessionPacing] = field(default_factory=weakref.WeakSet)
 
