@@ -61,6 +61,15 @@ class WorkItem:
         return PREFILL if self.kind == PREFILL else VERIFY
 
 
+@dataclass(frozen=True)
+class ForwardMark:
+    """A sequence's forward clocks read at one moment (:meth:`Batcher.mark`)."""
+
+    busy_s: float  # Batcher.busy_clock()
+    own_s: float  # seconds of the forwards that carried the sequence (its stats)
+    own_forwards: int  # and how many
+
+
 @dataclass
 class BatchStats:
     """How full the forwards were."""
@@ -115,8 +124,8 @@ class Batcher:
         # event loop's own: when each sequence's next item is due (its hub round trip)
         self.returns = Returns() if gather and max_batch > 1 else None
         self.forward_s = 0.0  # smoothed time of a decoding forward: the gathering window
-        self._prefilled_s = 0.0  # seconds of prefill forwards finished (see prefill_clock)
-        self._prefill_from: float | None = None  # when the prefill forward running now began
+        self._busy_s = 0.0  # seconds of forwards finished (see busy_clock)
+        self._busy_from: float | None = None  # when the forward running now began
 
     # ------------------------------------------------------------------ what sequences call
 
@@ -146,12 +155,25 @@ class Batcher:
         )
         return result
 
-    def prefill_clock(self) -> float:
-        """Seconds the model thread has spent on prefill forwards so far, the one running now
-        included: the difference of two readings is the prefill time between them (what a
-        sequence waiting meanwhile lost to the other sequences' prompts). Event loop's own."""
-        running = 0.0 if self._prefill_from is None else time.perf_counter() - self._prefill_from
-        return self._prefilled_s + running
+    def busy_clock(self) -> float:
+        """Seconds the model thread has spent on forwards so far, the one running now included
+        (a sequence that arrives mid-forward waits out the rest of it). Event loop's own."""
+        running = 0.0 if self._busy_from is None else time.perf_counter() - self._busy_from
+        return self._busy_s + running
+
+    def mark(self, seq: TargetSequence) -> ForwardMark:
+        """``seq``'s forward clocks now, for :meth:`forwards_since`."""
+        return ForwardMark(self.busy_clock(), seq.stats.forward_s, seq.stats.forwards)
+
+    def forwards_since(self, seq: TargetSequence, mark: ForwardMark) -> tuple[float, float]:
+        """(others, own) since ``mark``: the seconds the model spent on forwards that did not
+        carry ``seq`` (other sequences' prompts, and rows not batched with it), and the mean
+        seconds of those that did (0.0: none). What a DRAFT reports (Draft.others_us,
+        forward_us)."""
+        own_s = seq.stats.forward_s - mark.own_s
+        count = seq.stats.forwards - mark.own_forwards
+        others = max(self.busy_clock() - mark.busy_s - own_s, 0.0)
+        return others, own_s / count if count > 0 else 0.0
 
     def watch(self, seq: TargetSequence, callback: Callable[[TargetSequence], None] | None) -> None:
         """Call ``callback(seq)`` on the event loop after each item of ``seq`` completes (None:
@@ -246,7 +268,7 @@ class Batcher:
     async def _run(self, batch: list[WorkItem]) -> None:
         """One forward in the model thread; every item's future gets its result or error."""
         prefill = batch[0].group == PREFILL
-        results, kinds, started, finished = await self._forward(batch, prefill)
+        results, kinds, started, finished = await self._forward(batch)
         if not prefill and kinds:
             self._timed(finished - started)
         self.stats.record(kinds)
@@ -274,25 +296,20 @@ class Batcher:
                 except Exception:  # a listener's bug must not stop the worker (all would hang)
                     log.exception("a watcher of a sequence failed")
 
-    async def _forward(
-        self, batch: list[WorkItem], prefill: bool
-    ) -> tuple[list[Any], list[str], float, float]:
-        """Run ``batch`` in the model thread: (results, row kinds, started, finished); a
-        prefill's time runs on :meth:`prefill_clock` meanwhile."""
+    async def _forward(self, batch: list[WorkItem]) -> tuple[list[Any], list[str], float, float]:
+        """Run ``batch`` in the model thread: (results, row kinds, started, finished); its time
+        runs on :meth:`busy_clock` meanwhile."""
         loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        if prefill:
-            self._prefill_from = started
+        started = self._busy_from = time.perf_counter()
         try:
             results, kinds = await loop.run_in_executor(self._pool, compute, self.backend, batch)
         except Exception as exc:  # the forward itself failed: this batch hears it, not others
             log.error("batched forward of %d rows failed: %r", len(batch), exc)
             results, kinds = [exc] * len(batch), []
         finally:
-            if prefill:
-                self._prefill_from = None
-                self._prefilled_s += time.perf_counter() - started
-        return results, kinds, started, time.perf_counter()
+            finished, self._busy_from = time.perf_counter(), None
+            self._busy_s += finished - started
+        return results, kinds, started, finished
 
 
 def compute(backend: VerifierBackend, batch: Sequence[WorkItem]) -> tuple[list[Any], list[str]]:

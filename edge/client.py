@@ -355,18 +355,19 @@ class HubClient:
         features: np.ndarray | None = None,
         taken: int = 0,
         path: Sequence[int] | None = None,
-        prefill_s: float = 0.0,
+        others_s: float = 0.0,
         forward_s: float = 0.0,
     ) -> None:
         """Send the verdict on proposal ``seq - 1`` and ask for proposal ``seq`` (or, with
         ``taken``, say that the pushed branch of that many tokens is proposal ``seq``).
         ``path``: the accepted path's nodes when proposal ``seq - 1`` was a token tree (empty
-        when none was accepted); None after a chain (Draft.path absent). ``prefill_s``: the
-        seconds spent prefilling other sequences since proposal ``seq - 1`` arrived;
+        when none was accepted); None after a chain (Draft.path absent). ``others_s``: the
+        seconds the model spent on forwards that did not carry this sequence since proposal
+        ``seq - 1`` arrived;
         ``forward_s``: the mean seconds of the forwards that carried this sequence since."""
         ids = np.asarray(appended, dtype=np.int32)
         nodes = None if path is None else np.asarray(path, dtype=np.int32).reshape(-1)
-        times = {"prefill_us": timing_us(prefill_s), "forward_us": timing_us(forward_s)}
+        times = {"others_us": timing_us(others_s), "forward_us": timing_us(forward_s)}
         self._routes.grant(tag, 0 if taken else 1)
         await transport.send(
             self.sock, Draft(tag, seq, accepted, ids, features, taken, nodes, **times)

@@ -331,7 +331,7 @@ async def _answer(
     """
     accepted = 0
     # the proposal is here: what the target spends from now on is part of the hub's round trip
-    prefill_mark, forwards_mark = batcher.prefill_clock(), (seq.stats.forward_s, seq.stats.forwards)
+    mark = batcher.mark(seq)
     if session.synced == seq.committed:
         if len(proposal.tokens) or proposal.alone <= 0:
             accepted, _ = await batcher.verify(seq, *draft)
@@ -354,8 +354,7 @@ async def _answer(
     session.taken = _branch_for(session, accepted, appended)
     taken = len(session.taken.tokens) if session.taken is not None else 0
     path = _path(proposal, kept)
-    prefill_s = batcher.prefill_clock() - prefill_mark
-    forward_s = _mean_forward(seq, *forwards_mark)
+    others_s, forward_s = batcher.forwards_since(seq, mark)
     await client.draft(
         session.tag,
         session.expected,
@@ -364,17 +363,10 @@ async def _answer(
         features,
         taken,
         path,
-        prefill_s,
+        others_s,
         forward_s,
     )
     return True
-
-
-def _mean_forward(seq: TargetSequence, seconds: float, forwards: int) -> float:
-    """The mean time of the forwards that carried ``seq`` since its stats read ``seconds`` in
-    ``forwards`` forwards (0.0: none)."""
-    count = seq.stats.forwards - forwards
-    return (seq.stats.forward_s - seconds) / count if count > 0 else 0.0
 
 
 def _path(proposal: Proposal, kept: list[int]) -> list[int] | None:

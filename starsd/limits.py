@@ -21,7 +21,7 @@ MAX_FRAMES = 8
 MAX_ARRAY_ELEMENTS = MAX_FRAME_BYTES
 MAX_APPENDED = 1024  # tokens a target may commit between two rounds (one DRAFT)
 MAX_GAMMA = 32  # draft tokens in one proposal, whatever a hub announces (Welcome.max_gamma)
-MAX_TIMING_US = 600_000_000  # a DRAFT's times (Draft.prefill_us, forward_us): ten minutes at most
+MAX_TIMING_US = 600_000_000  # a DRAFT's times (Draft.others_us, forward_us): ten minutes at most
 MAX_PUSH = 64  # pushed branches per round a target may ask for (Open.push)
 # nodes of one token tree (Proposal.parents): a tree travels like a chain of as many tokens,
 # so the frame limits made for MAX_GAMMA dense q rows hold it

@@ -154,10 +154,12 @@ class Draft:
     # The verdict on a token tree (Proposal.parents): [accepted] the accepted path's node
     # indices, root side first; absent after a chain (its path is its first ``accepted`` tokens)
     path: np.ndarray | None = field(default=None, repr=False, metadata=array_field(_IDS, 1))
-    # Microseconds the target spent prefilling its other sequences between proposal seq - 1
-    # arriving and this DRAFT: time no gamma changes, which the hub leaves out of the round
-    # trip it prices gammas by (0..MAX_TIMING_US)
-    prefill_us: int = field(default=0, metadata={"sparse": True})
+    # Microseconds the target's model spent on forwards that did not carry this sequence
+    # between proposal seq - 1 arriving and this DRAFT (other sequences' prefills, and steps or
+    # verifications of rows that were not batched with it): time that this sequence's gamma
+    # does not change, which the hub leaves out of the round trip it prices gammas by
+    # (0..MAX_TIMING_US)
+    others_us: int = field(default=0, metadata={"sparse": True})
     # The mean microseconds of the target's own forwards that carried this sequence meanwhile
     # (the verification of proposal seq - 1; after a span alone, its steps); 0: not measured.
     # Beside the gamma of each, they tell the hub what one more draft token costs the target
@@ -166,7 +168,7 @@ class Draft:
 
 
 def timing_us(seconds: float) -> int:
-    """A DRAFT's time field (Draft.prefill_us, forward_us): whole microseconds, within the
+    """A DRAFT's time field (Draft.others_us, forward_us): whole microseconds, within the
     0..MAX_TIMING_US a hub accepts."""
     return min(max(round(seconds * 1e6), 0), MAX_TIMING_US)
 

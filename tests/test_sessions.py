@@ -289,7 +289,7 @@ def test_a_failed_job_ends_its_session() -> None:
     assert tag not in table.sessions and not peer.tags and not table.owned_by
 
 
-@pytest.mark.parametrize("field", ["prefill_us", "forward_us"])
+@pytest.mark.parametrize("field", ["others_us", "forward_us"])
 @pytest.mark.parametrize("value", [-1, 600_000_001])
 def test_a_verdicts_times_outside_their_range_are_refused(field: str, value: int) -> None:
     """Catches a DRAFT's times taken as sent: a negative prefill time made a round trip longer

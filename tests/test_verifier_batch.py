@@ -320,38 +320,41 @@ async def test_a_sequence_that_starts_out_of_step_joins_its_batch_mates(
     assert batcher.stats.forwards <= steps + 2  # they merged at once: not 2 x steps
 
 
-async def test_the_prefill_clock_and_each_sequences_forward_time(
+async def test_a_sequences_forward_clocks_split_its_own_forwards_from_the_others(
     backend: TorchBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Catches the times a DRAFT reports counted wrong: the prefill time (Draft.prefill_us)
-    counting decoding forwards, or missing the prefill still running when it is read (a
-    proposal that arrives mid-prefill waits out the rest of it); a sequence's forward time
-    (Draft.forward_us) counting prefills or forwards that did not carry it."""
+    """Catches the times a DRAFT reports counted wrong. Draft.others_us: a forward of other
+    rows, or another sequence's prefill, left out (a round that waited out either was priced
+    as its gamma's cost, and a target's sessions went alone where drafting paid), the
+    sequence's own forward counted in it, or the forward running when the proposal arrived
+    missed (the sequence waits out the rest of it). Draft.forward_us: forwards that did not
+    carry the sequence counted in its mean."""
 
     def slow_compute(backend: TorchBackend, batch: list) -> object:
-        time.sleep(0.05 if batch[0].kind == batcher_module.PREFILL else 0.01)
+        carries_a = any(item.seq is a for item in batch)
+        prefill = batch[0].kind == batcher_module.PREFILL
+        time.sleep(0.03 if prefill else 0.06 if carries_a else 0.01)
         return compute(backend, batch)
 
     compute = batcher_module.compute
     monkeypatch.setattr(batcher_module, "compute", slow_compute)
     async with Batcher(backend, max_batch=8) as batcher:
         engine = Engine(backend, batcher)
-        a, b = (engine.new_sequence(p, GREEDY, 8) for p in (PROMPTS[0], PROMPTS[2]))
-        await batcher.prefill(a)
-        assert batcher.prefill_clock() >= 0.05 and a.stats.forwards == 0
-        before = batcher.prefill_clock()
-        await batcher.step(a)
-        assert batcher.prefill_clock() == before  # a decoding forward is no prefill
-        assert a.stats.forwards == 1 and a.stats.forward_s >= 0.01
-        carried = a.stats.forward_s
-        prefill_b = asyncio.ensure_future(batcher.prefill(b))
-        while batcher._prefill_from is None:  # b's prefill is running ...
+        a, b, c = (engine.new_sequence(p, GREEDY, 8) for p in PROMPTS[:3])
+        await asyncio.gather(batcher.prefill(a), batcher.prefill(b))
+        mark = batcher.mark(a)
+        await batcher.step(b)  # a row out of step with a's: a waits it out
+        await asyncio.gather(batcher.step(a), batcher.step(b))  # one forward carries both
+        others, own = batcher.forwards_since(a, mark)
+        assert 0.01 <= others < 0.05 and own >= 0.06
+        prefill_c = asyncio.ensure_future(batcher.prefill(c))
+        while batcher._busy_from is None:  # c's prefill is running ...
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0.01)
-        assert batcher.prefill_clock() >= before + 0.01  # ... and counts before it ends
-        await prefill_b
-        assert batcher.prefill_clock() >= before + 0.05
-        assert a.stats.forwards == 1 and a.stats.forward_s == carried  # b's prefill is not a's
+        await asyncio.sleep(0.015)
+        mark = batcher.mark(a)  # ... a's proposal arrives halfway through it ...
+        await prefill_c
+        others, own = batcher.forwards_since(a, mark)
+        assert 0.0 < others < 0.025 and own == 0.0  # ... and waits out the rest, not all of it
 
 
 @pytest.mark.parametrize("gather", [True, False])

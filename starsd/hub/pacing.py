@@ -235,12 +235,16 @@ class Pacer:
         """Update the session's estimates from ``job``; after a span alone, add the span's
         tokens (and feature rows) to the verdict held since then."""
         pacing.wait += _WAIT_SMOOTHING * (max(now - job.enqueued_at, 0.0) - pacing.wait)
-        # The round trip and the span alone without the target's prefills of other sequences
-        # (Draft.prefill_us): a stream's new requests stall every round they overlap, alone or
-        # drafting alike, but only the round trips are timed often (a span alone rarely), so
-        # the stalls made speculating look slower than decoding alone: one target at
-        # --concurrency 8 decoded half its tokens alone where gamma 1 and 2 paid.
-        since = None if pacing.sent_at is None else job.enqueued_at - pacing.sent_at - job.prefill_s
+        # The round trip and the span alone without the target's forwards that did not carry
+        # this sequence (Draft.others_us). Other sequences' prefills: a stream's new requests
+        # stall every round they overlap, alone or drafting alike, but only the round trips are
+        # timed often (a span alone rarely), so the stalls made speculating look slower than
+        # decoding alone: one target at --concurrency 8 decoded half its tokens alone where
+        # gamma 1 and 2 paid. Rows out of step (a new session's first rounds, the others' span
+        # alone): R predicts a round while the target's sessions draft together, one forward a
+        # round; a round that waited out a forward of other rows read 250-320 ms for 160, the
+        # time outside the forward kept it for dozens of rounds, and the sessions went alone.
+        since = None if pacing.sent_at is None else job.enqueued_at - pacing.sent_at - job.others_s
         held = pacing.pending
         if held is not None:  # the DRAFT after a span alone: accepted 0, the span's tokens
             # (for a --gamma 0 session, one of several spans since it last drafted)
@@ -255,8 +259,8 @@ class Pacer:
         # A verify commits exactly one token after the accepted ones: anything else means the
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.
         if job.proposed >= 1 and len(job.appended) == 1 and pacing.asked_at is not None:
-            # the whole round, asked to answered (the prefills left out, as above)
-            seconds = job.enqueued_at - pacing.asked_at - job.prefill_s
+            # the whole round, asked to answered (others' forwards left out, as above)
+            seconds = job.enqueued_at - pacing.asked_at - job.others_s
             self.shapes.observe(pacing.shape, pacing.shape_phases, job.accepted + 1, seconds)
         if pacing.shape != CHAIN:  # a tree's path is no chain's acceptance per position
             return

@@ -14,8 +14,9 @@ Terms (per session, times in seconds):
             b(B) shrunk toward a line over B fitted to every size's data (ServiceModel);
   R(g)      the round trip outside the hub, from our proposal leaving to the target's next DRAFT
             arriving (its verify of g + 1 positions plus the link), less the time the target
-            says it spent prefilling other sequences meanwhile (Draft.prefill_us: no gamma
-            changes it), as r0 + r1 g: once the target's own forwards (Draft.forward_us)
+            says it spent on forwards that did not carry the sequence meanwhile (other
+            sequences' prefills, rows out of step: Draft.others_us; its gamma does not change
+            it), as r0 + r1 g: once the target's own forwards (Draft.forward_us)
             against their gamma (its steps alone at 0) tell a slope, that line plus the time
             outside the forward (TargetPacing.round_trip_line), else a line fitted to the
             round trips. A round trip's slope is the link's and the target's queues' noise

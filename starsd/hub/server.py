@@ -389,7 +389,7 @@ class Hub:
                     msg.taken,
                     proposed,
                     _tree_path(session, msg),
-                    msg.prefill_us / 1e6,
+                    msg.others_us / 1e6,
                     msg.forward_us / 1e6,
                 )
                 return []
@@ -455,7 +455,7 @@ class Hub:
         taken: int = 0,
         proposed: int = 0,
         path: tuple[int, ...] | None = None,
-        prefill_s: float = 0.0,
+        others_s: float = 0.0,
         forward_s: float = 0.0,
     ) -> None:
         job = DraftJob(
@@ -472,7 +472,7 @@ class Hub:
             auto=not session.gamma_fixed,
             path=path,
             tree_nodes=session.tree_nodes,
-            prefill_s=prefill_s,
+            others_s=others_s,
             forward_s=forward_s,
         )
         self.q_in.put(session.owner, job)

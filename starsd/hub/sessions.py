@@ -299,7 +299,7 @@ class SessionTable:
         problem = self._taken_problem(session, msg)
         if problem:
             return ErrorCode.INVALID_ARGUMENT, problem
-        for name, value in (("prefill_us", msg.prefill_us), ("forward_us", msg.forward_us)):
+        for name, value in (("others_us", msg.others_us), ("forward_us", msg.forward_us)):
             if not 0 <= value <= MAX_TIMING_US:
                 return ErrorCode.INVALID_ARGUMENT, f"{name} {value} outside 0..{MAX_TIMING_US}"
         if self._full(session.length + msg.accepted + msg.appended.size):

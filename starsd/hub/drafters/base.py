@@ -84,9 +84,10 @@ class DraftJob(Generic[S]):
     # the verdict on a token tree: the accepted path's nodes (Draft.path); None after a chain
     path: tuple[int, ...] | None = None
     tree_nodes: int = 0  # > 0: the session's target verifies token trees of this many nodes
-    # seconds its target spent prefilling other sequences while this verdict was due
-    # (Draft.prefill_us): no gamma changes them, so the round trip is priced without them
-    prefill_s: float = 0.0
+    # seconds its target spent on forwards that did not carry the session while this verdict
+    # was due (Draft.others_us): its gamma does not change them, so the round trip is priced
+    # without them
+    others_s: float = 0.0
     # the mean seconds of the target's forwards that carried the session meanwhile, its
     # verification or its steps alone (Draft.forward_us; 0: not measured)
     forward_s: float = 0.0
