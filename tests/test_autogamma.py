@@ -718,6 +718,40 @@ def test_a_chain_beside_tree_rounds_is_left_out_of_the_round_trip() -> None:
     assert (option, phase) == (0, 1) and steep.shapes.current == 0  # a chain phase, not a trial
 
 
+@pytest.mark.parametrize("tree_nodes", [0, 8])
+def test_a_new_target_warms_up_while_the_hub_is_in_a_tree_phase(tree_nodes: int) -> None:
+    """Catches a chain counted as drafted beside trees because the hub's chooser was in a tree
+    phase, though no session of its own target drafted one: a hub whose last settled sessions
+    left in a tree phase froze every later auto target at its start gamma (its round trips
+    never fed R, so it never settled, and the phase, which only settled sessions advance,
+    never ended). A bench's --concurrency 8 stream ran at gamma 4 in one repeat and 3 in the
+    other, 0.96x the target alone where gamma 2 made 1.15x; a target that verifies no trees
+    at all (tree_nodes 0) froze the same way."""
+    from starsd.hub.pacing import TreePlan
+    from starsd.tree_shapes import TreeShape
+
+    pacer = Pacer(
+        GammaPolicy(PolicyParams(max_gamma=8)), None, trees=TreePlan("auto", (TreeShape(2, 4, 8),))
+    )
+    pacer.shapes.tried.add(0)
+    pacer.shapes._next_phase(0.0)  # another target's sessions left the hub in a tree trial
+    assert pacer.shapes.current == 1
+    pacer.drafted(1, 4, 0.005)
+    state = new_chain_state(list(PROMPT), SamplingParams(), 4)
+    now, proposed, plans = 1.0, 0, []
+    for _ in range(8):  # each round answered 0.2 s after its proposal left, one token appended
+        job = DraftJob(
+            b"s", len(plans), state, 0, (5,), enqueued_at=now, proposed=proposed, owner=b"q",
+            auto=True, tree_nodes=tree_nodes,
+        )  # fmt: skip
+        plan = pacer.plan(pacer.with_held(job), pacer.load(1, False, now), now)
+        pacer.sent(job, now)
+        plans.append(plan)
+        proposed, now = plan.gamma, now + 0.2
+    assert state.pacing.round_trip.known
+    assert any(plan.alone for plan in plans)  # warmed up: it timed its target's step alone
+
+
 def test_a_targets_tree_gate_is_worked_out_once_a_phase() -> None:
     """Catches the model's tree gate worked out on every job of an auto session (~25 us each,
     on the drafting thread) or never again after its first (a target whose figures moved kept

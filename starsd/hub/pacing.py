@@ -114,7 +114,7 @@ class Pacer:
         self._learn(job, pacing, now)
         if job.taken:
             job.state.tree = None  # a pushed branch is a chain
-            pacing.beside_trees = self.shapes.current != CHAIN
+            pacing.beside_trees = _trees_beside(pacing)
             return Plan(job.taken)
         held = pacing.pending is not None  # after a span alone this round is the probe
         before = pacing.chosen
@@ -132,7 +132,7 @@ class Pacer:
         option, phase = self._shape(job, pacing, load, now)
         job.state.tree = self._tree(option, job.tree_nodes)
         pacing.shape, pacing.asked_at = option, job.enqueued_at
-        pacing.beside_trees = option == CHAIN and self.shapes.current != CHAIN
+        pacing.beside_trees = option == CHAIN and _trees_beside(pacing)
         pacing.shape_phases = (phase, pacing.shape_phases[0])
         return Plan(job.state.gamma, held=held)
 
@@ -271,9 +271,10 @@ class Pacer:
             # verification rides in a forward of the others' steps at a fraction of that (one
             # target at --concurrency 4: the probes' R(1) made drafting look 15% ahead, every
             # session switched, and each switch back cost). Alone, a probe is a plain round.
-            # A chain drafted while other sessions drafted trees is left out too: a target
-            # verifying it beside their nodes (a CPU's forward of 8 rows grew ~12 ms a node)
-            # priced every chain at the trees' cost, and the target's sessions went alone.
+            # A chain drafted while other sessions of its target had trees in flight is left
+            # out too: a target verifying it beside their nodes (a CPU's forward of 8 rows
+            # grew ~12 ms a node) priced every chain at the trees' cost, and the target's
+            # sessions went alone.
             if pacing.beside_trees:
                 return
             probe_in_batch = pacing.probing and pacing.shared.batched(pacing)
@@ -306,6 +307,15 @@ def _pending(job: DraftJob) -> Pending:
     """The verdict ``job`` carries, held until the session drafts again."""
     features = [] if job.features is None else [job.features]
     return Pending(job.accepted, list(job.appended), features)
+
+
+def _trees_beside(pacing: SessionPacing) -> bool:
+    """Whether another session of ``pacing``'s target has a tree in flight: the target may
+    verify this session's chain beside its nodes. Its own target's, not the hub's tree phase:
+    a hub whose last settled sessions left in a tree phase counted every later target's warm-up
+    chains as beside trees, so they never fed R, the target never settled, and the phase,
+    which only settled sessions advance, never ended (auto froze at its start gamma)."""
+    return any(other.shape != CHAIN for other in pacing.shared.sessions if other is not pacing)
 
 
 def _round_trip(intercept: float, slope: float, x: int) -> float:

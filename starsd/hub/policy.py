@@ -296,8 +296,9 @@ class SessionPacing:
     # the ShapeChooser phases of the proposal in flight and of the one before (-1: none)
     shape_phases: tuple[int, int] = (-1, -1)
     asked_at: float | None = None  # when the job that asked for it was queued
-    # the proposal in flight is a chain drafted while the hub's sessions draft trees: its
-    # target may verify it beside their nodes, so its round says nothing of a chain's R(g)
+    # the proposal in flight is a chain drafted while another session of its target had a tree
+    # in flight: the target may verify it beside their nodes, so its round says nothing of a
+    # chain's R(g)
     beside_trees: bool = False
 
     @property
