@@ -34,7 +34,7 @@ help:
 	@echo "                 draft LLM in the hub's proposers -> models/starsd-eagle3 (~25 min)"
 	@echo "make real-eagle-heads  EAGLE-3 and EAGLE-1 heads for SmolLM2 on its self-distilled chats (same"
 	@echo "                 data and steps), compared with its draft LLM in the hub's proposers ->"
-	@echo "                 models/smollm2-eagle3, models/smollm2-eagle (~60 min, data included)"
+	@echo "                 models/smollm2-eagle3, models/smollm2-eagle (~70 min, data included)"
 	@echo "make bench       all modes side by side, one hub batched vs --max-batch 1, one hub + one target vs"
 	@echo "                 transformers' assisted generation, pre-draft hit rate -> results/bench.json + .png  [QUICK=1]"
 	@echo "make bench-scale emulated targets up to N=256 (QUICK 128), one-at-a-time vs batched hub, N_full, S(B),"
@@ -125,7 +125,7 @@ eagle3-head: $(STAMP)
 # The self-distillation data is made once (`make real-draft` reads its first 480 conversations).
 .PHONY: real-eagle-heads
 real-eagle-heads: $(READY)
-	$(BIN)/python -m scripts.train.real_data --prompts 1920
+	$(BIN)/python -m scripts.train.real_data --prompts 3840
 	$(BIN)/python -m scripts.train.train_eagle3_head --recipe real
 
 bench: $(READY)

@@ -282,6 +282,85 @@ MORE_TOPICS = (
     "the jet stream",
 )
 
+# Still more topics: the EAGLE heads' 3840 conversations run past the first two lists' 3000.
+EXTRA_TOPICS = (
+    "the Ottoman Empire",
+    "the brain",
+    "the Suez Canal",
+    "language learning",
+    "the Hanseatic League",
+    "the lungs",
+    "the Arctic Ocean",
+    "the Black Death",
+    "space stations",
+    "the tomato",
+    "rockets",
+    "clocks",
+    "the Rosetta Stone",
+    "geysers",
+    "the Magna Carta",
+    "wetlands",
+    "zoos",
+    "the Big Bang",
+    "the Mediterranean Sea",
+    "ice cream",
+    "the human ear",
+    "parrots",
+    "semiconductors",
+    "bats",
+    "the Himalayas",
+    "sign language",
+    "the Colorado River",
+    "the Impressionists",
+    "vitamins",
+    "crocodiles",
+    "the Trojan War",
+    "tsunamis",
+    "the stomach",
+    "electric motors",
+    "the Wild West",
+    "water purification",
+    "giraffes",
+    "the Chinese calendar",
+    "marine biology",
+    "cactus plants",
+    "the Appalachian Trail",
+    "chemistry",
+    "the Babylonians",
+    "the Pacific Ocean",
+    "snakes",
+    "the Age of Exploration",
+    "fermentation",
+    "the Northern Lights",
+    "the kiwi bird",
+    "leap years",
+    "the cello",
+    "savings accounts",
+    "the pancreas",
+    "sand dunes",
+    "the Louisiana Purchase",
+    "hydroelectric dams",
+    "the Phoenicians",
+    "crystals",
+    "the saxophone",
+    "rainwater harvesting",
+    "the koala",
+    "the Greek alphabet",
+    "lava",
+    "fair trade",
+    "the Taj Mahal",
+    "the giant panda",
+    "neurons",
+    "sculpture",
+    "the Enlightenment",
+    "mosquitoes",
+    "the Sphinx",
+    "wildfires",
+    "the bicycle pump",
+    "libraries",
+    "the lottery",
+)
+
 HELD_OUT_TOPICS = (
     "the Sahara desert",
     "quantum computers",
@@ -310,11 +389,11 @@ def messages_for(template: str, topic: str) -> list[dict[str, str]]:
 def train_prompts(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
     """``count`` training conversations: every (template, topic) pair, shuffled by ``seed``.
 
-    The pairs of ``TRAIN_TOPICS`` come first and those of ``MORE_TOPICS`` after them, so a
-    shorter set is a prefix of a longer one.
+    The pairs of ``TRAIN_TOPICS`` come first, then those of ``MORE_TOPICS``, then those of
+    ``EXTRA_TOPICS``, each list shuffled on its own, so a shorter set is a prefix of a longer one.
     """
     pairs = []
-    for offset, topics in enumerate((TRAIN_TOPICS, MORE_TOPICS)):
+    for offset, topics in enumerate((TRAIN_TOPICS, MORE_TOPICS, EXTRA_TOPICS)):
         block = [(tpl, topic) for topic in topics for tpl in TEMPLATES]
         random.Random(seed + offset).shuffle(block)
         pairs += block

@@ -5,16 +5,15 @@ for every answer position, the target's top-k next-token log-probabilities (the 
 draft is distilled on). Generation is batched (left padding) through transformers' ``generate``,
 deterministic (greedy, float32), and shows one progress line per batch. Run::
 
-    .venv/bin/python -m scripts.train.real_data [--prompts 480] [--max-new-tokens 96]
+    .venv/bin/python -m scripts.train.real_data [--prompts 480] [--max-new-tokens 96] [--out PATH]
 
 A data set already on disk that was made the same way with at least ``--prompts`` conversations
-is kept: the training prompts of a shorter set are a prefix of a longer one's, so the draft LLM
-(480 conversations) and the EAGLE heads (1920) share one file.
+is kept, and a shorter one is extended: the training prompts of a shorter set are a prefix of a
+longer one's, so the draft LLM (480 conversations) and the EAGLE heads (3840) share one file.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from scripts.train import chat_prompts
+from scripts.train.config_args import parse_config
 from starsd import models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,16 +86,16 @@ def record(
     }
 
 
-def generate(config: DataConfig) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """Training and held-out records, one progress line per batch."""
+def generate(config: DataConfig, start: int = 0) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Training records ``start`` .. ``config.prompts - 1`` (and, from 0, the held-out ones),
+    one progress line per batch."""
     torch.set_num_threads(config.threads)
     loaded = models.load_causal_lm(config.target)
-    sets = {
-        "train": chat_prompts.train_prompts(config.prompts),
-        "held_out": chat_prompts.held_out_prompts(config.held_out),
-    }
+    sets = {"train": chat_prompts.train_prompts(config.prompts)[start:]}
+    if start == 0:
+        sets["held_out"] = chat_prompts.held_out_prompts(config.held_out)
     data: dict[str, list[dict[str, torch.Tensor]]] = {}
-    start = time.perf_counter()
+    began = time.perf_counter()
     for name, conversations in sets.items():
         ids = [models.chat_prompt_ids(loaded, m) for m in conversations]
         data[name] = []
@@ -104,7 +104,7 @@ def generate(config: DataConfig) -> dict[str, list[dict[str, torch.Tensor]]]:
             tokens = sum(len(r["answer"]) for r in data[name])
             print(
                 f"{name}: {len(data[name])}/{len(ids)} answers, {tokens} tokens, "
-                f"{time.perf_counter() - start:.0f} s",
+                f"{time.perf_counter() - began:.0f} s",
                 flush=True,
             )
     return data
@@ -119,26 +119,45 @@ def recipe(config: DataConfig) -> dict[str, int]:
     }
 
 
+def on_disk(config: DataConfig) -> dict[str, Any] | None:
+    """The data set at ``config.out`` when it was made by this recipe, else None."""
+    if not config.out.exists():
+        return None
+    data: dict[str, Any] = torch.load(config.out, weights_only=True)
+    return data if data.get("recipe") == recipe(config) else None
+
+
 def covered(config: DataConfig) -> bool:
     """Whether ``config.out`` already holds at least ``config.prompts`` records of this recipe."""
-    if not config.out.exists():
-        return False
-    data = torch.load(config.out, weights_only=True)
-    return data.get("recipe") == recipe(config) and len(data["train"]) >= config.prompts
+    data = on_disk(config)
+    return data is not None and len(data["train"]) >= config.prompts
+
+
+def resume_at(data: dict[str, Any] | None, config: DataConfig) -> int:
+    """How many of ``data``'s training records a longer set keeps: all of them when they end on
+    a batch boundary (the next batches are then those a run from scratch would make, so the
+    records are the same), else none."""
+    kept = len(data["train"]) if data is not None else 0
+    return kept if kept % config.batch == 0 else 0
+
+
+def make(config: DataConfig) -> dict[str, Any]:
+    """The data set ``config`` asks for, extending the one on disk where it can."""
+    old = on_disk(config)
+    start = resume_at(old, config)
+    new = generate(config, start)
+    if old is not None and start:
+        return {**old, "train": old["train"] + new["train"]}
+    return {**new, "recipe": recipe(config)}
 
 
 def main(argv: list[str] | None = None) -> None:
     """Generate and save the data set (unless one that covers it is there)."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=DataConfig.prompts)
-    parser.add_argument("--max-new-tokens", type=int, default=DataConfig.max_new_tokens)
-    parser.add_argument("--out", type=Path, default=DATA_PATH)
-    args = parser.parse_args(argv)
-    config = DataConfig(prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out)
+    config = parse_config(DataConfig, __doc__, argv)
     if covered(config):
         print(f"{config.out} already holds {config.prompts} or more conversations", flush=True)
         return
-    data: dict[str, Any] = {**generate(config), "recipe": recipe(config)}
+    data = make(config)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, config.out)
     print(f"wrote {config.out}", flush=True)

@@ -24,6 +24,11 @@ def comparison_table(evaluation: dict[str, Any]) -> list[str]:
     return [header, "|---|" + "---|" * len(gammas), *rows]
 
 
+def threads(count: int) -> str:
+    """``count`` CPU threads, in words."""
+    return "one CPU thread" if count == 1 else f"{count} CPU threads"
+
+
 def vocab_words(report: dict[str, Any]) -> str:
     """Where the heads' draft vocabulary came from, in words."""
     cfg, size = report["config"], report["data"].get("draft_vocab")
@@ -73,8 +78,8 @@ def how_made(kind: str, report: dict[str, Any]) -> list[str]:
         "(`scripts/train/real_data.py`), loss on answer positions only "
         f"({data['loss_positions']:,});",
         f"{loss}. {cfg['steps']} steps of batch {cfg['batch_size']}, lr {cfg['lr']},",
-        f"{seconds:.0f} s on one CPU thread. The EAGLE-3 and EAGLE-1 heads of this run had the",
-        "same data, steps, batches and schedule.",
+        f"{seconds:.0f} s on {threads(cfg['threads'])}. The EAGLE-3 and EAGLE-1 heads of this",
+        "run had the same data, steps, batches and schedule.",
     ]
 
 
@@ -107,7 +112,7 @@ def card(kind: str, report: dict[str, Any]) -> str:
             f"{report['data']['eval_prompts']} held-out",
             f"chat prompts x {cfg['new_tokens']} new tokens, each drafter in the hub's own "
             "proposer on the target's",
-            "verifier, one thread:",
+            f"verifier, {threads(cfg.get('eval_threads', cfg['threads']))}:",
             "",
             *comparison_table(report["evaluation"]),
             "",
