@@ -559,3 +559,39 @@ def test_deviation_rates_judge_a_longer_gamma_by_the_batch_it_delays() -> None:
     assert judged[3] == pytest.approx((2.9 + 3 * 1.8) / 0.005)
     assert deviation_rates(idle, expected, costs, outside, 1, 1, False) == idle
     assert deviation_rates(idle, expected, costs, outside, 0, 4, False) == idle
+
+
+def _cpu_target_session(policy: GammaPolicy) -> SessionPacing:
+    """A session at one CPU target past its warm-up, acceptance 0.45 a position: the forwards
+    its rounds showed (seconds by draft tokens; 0: its span alone), as measured on SmolLM2 on
+    this machine: 2 and 3 positions cost 1.11x and 1.19x a step, 5 1.84x (no line)."""
+    rng, s = random.Random(3), policy.new_session(None)
+    s.explored, s.alone_step = True, 0.050
+    for _ in range(400):
+        s.estimate.observe(4, _verdict(rng, [0.45], 4))
+    shown = [(4, 0.092)] * 3 + [(0, 0.050)] * 4 + [(2, 0.060)] * 2 + [(1, 0.056)] * 6
+    for tokens, forward in shown:
+        if tokens:
+            s.shared.observe_round(tokens, forward + 0.0015, forward)
+        s.shared.observe_forward(tokens, forward)
+    return s
+
+
+def test_a_gamma_whose_forwards_were_measured_is_priced_at_them_not_at_the_line() -> None:
+    """Catches R(g) priced by the line through the target's forwards alone: on a CPU target a
+    verify's cost is convex in its positions, the line through the warm-up's gamma 4 and the
+    steps alone put gamma 2 10 ms above its own measured forwards, and one target settled at
+    gamma 1 where gamma 2 made more (measured on the real pair). Also catches a count seen
+    once taking over the line (one slow forward would price that gamma for good)."""
+    policy = GammaPolicy(PolicyParams(max_gamma=G))
+    load = Load(batch=1, loaded=False, costs=_costs(0.004, 0.002))
+    s = _cpu_target_session(policy)
+    assert s.shared.round_trip_at(2) == pytest.approx(0.0615, abs=0.001)
+    assert policy.choose(s, load) == 2
+    line = _cpu_target_session(policy)
+    line.shared.forward_at.clear()  # what the line alone says
+    assert line.shared.round_trip_at(2) > 0.068
+    assert policy.choose(line, load) == 1
+    s.shared.observe_forward(3, 0.5)  # one stalled forward at a count not seen before
+    r0, r1 = s.shared.round_trip_line()
+    assert s.shared.round_trip_at(3) == pytest.approx(r0 + 3 * r1) != pytest.approx(0.5, abs=0.1)

@@ -254,7 +254,7 @@ class Pacer:
             if since is not None and since > 0 and job.appended:
                 self._timed_alone(pacing, since / len(job.appended))
             if job.forward_s > 0:  # its steps: a forward of no draft tokens
-                pacing.shared.forward.observe(0, job.forward_s)
+                pacing.shared.observe_forward(0, job.forward_s)
             return
         # A verify commits exactly one token after the accepted ones: anything else means the
         # target decoded alone meanwhile (its deadline passed), which says nothing about either.
@@ -281,7 +281,7 @@ class Pacer:
             if since is not None and since > 0 and not probe_in_batch:
                 pacing.shared.observe_round(job.proposed, since, job.forward_s)
             if job.forward_s > 0:
-                pacing.shared.forward.observe(job.proposed, job.forward_s)
+                pacing.shared.observe_forward(job.proposed, job.forward_s)
 
     def _timed_alone(self, pacing: SessionPacing, step: float) -> None:
         old = pacing.alone_step

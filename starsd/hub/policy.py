@@ -19,10 +19,11 @@ Terms (per session, times in seconds):
             it), as r0 + r1 g: once the target's own forwards (Draft.forward_us)
             against their gamma (its steps alone at 0) tell a slope, that line plus the time
             outside the forward (TargetPacing.round_trip_line), else a line fitted to the
-            round trips. A round trip's slope is the link's and the target's queues' noise
-            more than its verify's: at one CPU target at --concurrency 8 it read 0 for a
-            verify that costs 12 ms more per draft token, and auto drafted gamma 3-8 where 2
-            was best;
+            round trips; at a gamma whose forwards the rounds have shown, the forward
+            measured there rather than the line's (TargetPacing.round_trip_at). A round
+            trip's slope is the link's and the target's queues' noise more than its verify's:
+            at one CPU target at --concurrency 8 it read 0 for a verify that costs 12 ms more
+            per draft token, and auto drafted gamma 3-8 where 2 was best;
   W         how long the session's jobs wait in Q_in before their batch starts;
   T_alone   the target's own decoding step: measured from the spans it decodes alone
             (R over the span / its tokens; the link is spread over the span), and before the
@@ -85,6 +86,8 @@ from starsd.goodput import deviation_rates, gamma_rates, pick_gamma
 from starsd.hub.estimates import AcceptanceEstimate, LinearFit
 
 _OUTSIDE_SMOOTHING = 0.1  # weight of the newest round in the time outside the target's forward
+_FORWARD_AT_SMOOTHING = 0.2  # weight of the newest forward at its draft-token count
+_FORWARD_AT_MIN = 2  # forwards at a count before R(g) takes them over the line
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,9 @@ class TargetPacing:
     # slow to forget, for its sessions report one forward each and its cost shape is the
     # hardware's (at 0.9 the eight sessions of one forward erased the steps' points at once)
     forward: LinearFit = field(default_factory=lambda: LinearFit(forget=0.98, ridge=0.5))
+    # the same forwards per draft-token count: (smoothed seconds, how many), for R(g) at the
+    # counts its rounds have shown (see :meth:`round_trip_at`)
+    forward_at: dict[int, tuple[float, int]] = field(default_factory=dict)
     outside: float | None = None  # smoothed R less the forward that carried it: link, queues
     alone_step: float | None = None  # measured T_alone (smoothed), None before any span
     wait: float = 0.0  # smoothed W
@@ -246,6 +252,29 @@ class TargetPacing:
         own g); else the round trips' own line."""
         line = self._forward_line()
         return line if line is not None else self.round_trip.coefficients()
+
+    def round_trip_at(self, tokens: int) -> float:
+        """R(tokens): the forward measured at that many draft tokens, where the target's rounds
+        have shown it at least twice, plus the time outside the forward; else the line.
+
+        Why not the line alone: a CPU target's verify cost is no line in its positions (MKL's
+        small-M kernels: 2, 3 and 5 positions cost 1.10x, 1.16x and 1.79x a step), and a line
+        through the warm-up's gamma 4 and the steps alone priced gamma 2 ~10 ms above what its
+        own rounds had measured, so a session at one target settled at gamma 1 where gamma 2
+        made 2-4% more (and its round trips never showed gamma 2 again). Trees are still
+        priced by the line (:meth:`round_trip_line`), by their node count."""
+        seen = self.forward_at.get(tokens)
+        if seen is None or seen[1] < _FORWARD_AT_MIN or self._forward_line() is None:
+            r0, r1 = self.round_trip_line()
+            return r0 + r1 * tokens
+        return (self.outside or 0.0) + seen[0]
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        """The target's forward that carried a round of ``tokens`` draft tokens (0: its steps
+        alone) took ``seconds``."""
+        self.forward.observe(tokens, seconds)
+        old, count = self.forward_at.get(tokens, (seconds, 0))
+        self.forward_at[tokens] = (old + _FORWARD_AT_SMOOTHING * (seconds - old), count + 1)
 
     def _forward_line(self) -> tuple[float, float] | None:
         """R's line from the target's forwards and the time outside them; None until they
@@ -467,9 +496,8 @@ class GammaPolicy:
         drafted batches of 4.2 instead of 6.0 whose longest proposal set everybody's wait, and
         auto lost 11% to a fixed gamma 4 at N = 8 while choosing 4 on average.
         """
-        r0, r1 = s.shared.round_trip_line()
         top = min(self.params.max_gamma, len(load.costs) - 1)
-        outside = [s.wait + r0 + r1 * g for g in range(top + 1)]
+        outside = [s.wait + s.shared.round_trip_at(g) for g in range(top + 1)]
         expected = s.estimate.expected_tokens()
         rates = gamma_rates(
             expected,
