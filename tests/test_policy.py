@@ -586,12 +586,12 @@ def test_a_gamma_whose_forwards_were_measured_is_priced_at_them_not_at_the_line(
     policy = GammaPolicy(PolicyParams(max_gamma=G))
     load = Load(batch=1, loaded=False, costs=_costs(0.004, 0.002))
     s = _cpu_target_session(policy)
-    assert s.shared.round_trip_at(2) == pytest.approx(0.0615, abs=0.001)
+    assert s.shared.round_trips(2)[2] == pytest.approx(0.0615, abs=0.001)
     assert policy.choose(s, load) == 2
     line = _cpu_target_session(policy)
     line.shared.forward_at.clear()  # what the line alone says
-    assert line.shared.round_trip_at(2) > 0.068
+    assert line.shared.round_trips(2)[2] > 0.068
     assert policy.choose(line, load) == 1
     s.shared.observe_forward(3, 0.5)  # one stalled forward at a count not seen before
     r0, r1 = s.shared.round_trip_line()
-    assert s.shared.round_trip_at(3) == pytest.approx(r0 + 3 * r1) != pytest.approx(0.5, abs=0.1)
+    assert s.shared.round_trips(3)[3] == pytest.approx(r0 + 3 * r1) != pytest.approx(0.5, abs=0.1)

@@ -170,10 +170,10 @@ class Pacer:
         shared, key = pacing.shared, (self.shapes.phase, nodes)
         if shared.shapes_worth is not None and shared.shapes_worth[0] == key:
             return shared.shapes_worth[1]
-        r0, r1 = shared.round_trip_line()
         trees = [dataclasses.replace(t, nodes=min(t.nodes, nodes)) for t in self.trees.shapes]
         expected = pacing.estimate.expected_tokens()
-        outside = functools.partial(_round_trip, pacing.wait + r0, r1)
+        rounds = shared.round_trips(max([pacing.chosen, *(t.nodes for t in trees)]))
+        outside = functools.partial(_round_trip, pacing.wait, rounds)
         worth = trees_worth_trying(expected, pacing.chosen, trees, load.costs, outside)
         shared.shapes_worth = (key, worth)
         return worth
@@ -318,6 +318,6 @@ def _trees_beside(pacing: SessionPacing) -> bool:
     return any(other.shape != CHAIN for other in pacing.shared.sessions if other is not pacing)
 
 
-def _round_trip(intercept: float, slope: float, x: int) -> float:
-    """R(x) outside the hub, with x tokens or nodes to verify."""
-    return intercept + slope * x
+def _round_trip(wait: float, rounds: list[float], x: int) -> float:
+    """W + R(x) outside the hub, with x tokens or nodes to verify (``rounds``: R(0..))."""
+    return wait + rounds[x]

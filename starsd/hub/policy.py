@@ -20,7 +20,7 @@ Terms (per session, times in seconds):
             against their gamma (its steps alone at 0) tell a slope, that line plus the time
             outside the forward (TargetPacing.round_trip_line), else a line fitted to the
             round trips; at a gamma whose forwards the rounds have shown, the forward
-            measured there rather than the line's (TargetPacing.round_trip_at). A round
+            measured there rather than the line's (TargetPacing.round_trips). A round
             trip's slope is the link's and the target's queues' noise more than its verify's:
             at one CPU target at --concurrency 8 it read 0 for a verify that costs 12 ms more
             per draft token, and auto drafted gamma 3-8 where 2 was best;
@@ -233,7 +233,7 @@ class TargetPacing:
     # hardware's (at 0.9 the eight sessions of one forward erased the steps' points at once)
     forward: LinearFit = field(default_factory=lambda: LinearFit(forget=0.98, ridge=0.5))
     # the same forwards per draft-token count: (smoothed seconds, how many), for R(g) at the
-    # counts its rounds have shown (see :meth:`round_trip_at`)
+    # counts its rounds have shown (see :meth:`round_trips`)
     forward_at: dict[int, tuple[float, int]] = field(default_factory=dict)
     outside: float | None = None  # smoothed R less the forward that carried it: link, queues
     alone_step: float | None = None  # measured T_alone (smoothed), None before any span
@@ -253,21 +253,25 @@ class TargetPacing:
         line = self._forward_line()
         return line if line is not None else self.round_trip.coefficients()
 
-    def round_trip_at(self, tokens: int) -> float:
-        """R(tokens): the forward measured at that many draft tokens, where the target's rounds
-        have shown it at least twice, plus the time outside the forward; else the line.
+    def round_trips(self, top: int) -> list[float]:
+        """R(x) for x = 0..top draft tokens (or tree nodes: a verify of as many positions): the
+        forward measured at x, where the target's rounds have shown it at least twice, plus
+        the time outside the forward; else the line (:meth:`round_trip_line`).
 
         Why not the line alone: a CPU target's verify cost is no line in its positions (MKL's
         small-M kernels: 2, 3 and 5 positions cost 1.10x, 1.16x and 1.79x a step), and a line
         through the warm-up's gamma 4 and the steps alone priced gamma 2 ~10 ms above what its
         own rounds had measured, so a session at one target settled at gamma 1 where gamma 2
-        made 2-4% more (and its round trips never showed gamma 2 again). Trees are still
-        priced by the line (:meth:`round_trip_line`), by their node count."""
-        seen = self.forward_at.get(tokens)
-        if seen is None or seen[1] < _FORWARD_AT_MIN or self._forward_line() is None:
-            r0, r1 = self.round_trip_line()
-            return r0 + r1 * tokens
-        return (self.outside or 0.0) + seen[0]
+        made 2-4% more (and its round trips never showed gamma 2 again)."""
+        line = self._forward_line()
+        r0, r1 = line if line is not None else self.round_trip.coefficients()
+        rounds = [r0 + r1 * x for x in range(top + 1)]
+        if line is not None:  # (then the time outside the forward is known)
+            outside = self.outside or 0.0
+            for x, (seconds, count) in self.forward_at.items():
+                if x <= top and count >= _FORWARD_AT_MIN:
+                    rounds[x] = outside + seconds
+        return rounds
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         """The target's forward that carried a round of ``tokens`` draft tokens (0: its steps
@@ -497,7 +501,7 @@ class GammaPolicy:
         auto lost 11% to a fixed gamma 4 at N = 8 while choosing 4 on average.
         """
         top = min(self.params.max_gamma, len(load.costs) - 1)
-        outside = [s.wait + s.shared.round_trip_at(g) for g in range(top + 1)]
+        outside = [s.wait + r for r in s.shared.round_trips(top)]
         expected = s.estimate.expected_tokens()
         rates = gamma_rates(
             expected,
