@@ -127,10 +127,14 @@ def on_disk(config: DataConfig) -> dict[str, Any] | None:
     return data if data.get("recipe") == recipe(config) else None
 
 
+def holds(data: dict[str, Any] | None, config: DataConfig) -> bool:
+    """Whether ``data`` (of this recipe, or None) has at least ``config.prompts`` records."""
+    return data is not None and len(data["train"]) >= config.prompts
+
+
 def covered(config: DataConfig) -> bool:
     """Whether ``config.out`` already holds at least ``config.prompts`` records of this recipe."""
-    data = on_disk(config)
-    return data is not None and len(data["train"]) >= config.prompts
+    return holds(on_disk(config), config)
 
 
 def resume_at(data: dict[str, Any] | None, config: DataConfig) -> int:
@@ -141,9 +145,8 @@ def resume_at(data: dict[str, Any] | None, config: DataConfig) -> int:
     return kept if kept % config.batch == 0 else 0
 
 
-def make(config: DataConfig) -> dict[str, Any]:
-    """The data set ``config`` asks for, extending the one on disk where it can."""
-    old = on_disk(config)
+def make(config: DataConfig, old: dict[str, Any] | None) -> dict[str, Any]:
+    """The data set ``config`` asks for, extending ``old`` (the one on disk) where it can."""
     start = resume_at(old, config)
     new = generate(config, start)
     if old is not None and start:
@@ -154,10 +157,11 @@ def make(config: DataConfig) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     """Generate and save the data set (unless one that covers it is there)."""
     config = parse_config(DataConfig, __doc__, argv)
-    if covered(config):
+    old = on_disk(config)  # (read once: tens of MB)
+    if holds(old, config):
         print(f"{config.out} already holds {config.prompts} or more conversations", flush=True)
         return
-    data = make(config)
+    data = make(config, old)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, config.out)
     print(f"wrote {config.out}", flush=True)
