@@ -50,7 +50,8 @@ help:
 	@echo "make bench-lan   hub and targets in network namespaces -> results/bench-lan.json [QUICK=1]"
 	@echo "make bench-onnx  onnxruntime CPU vs torch CPU, greedy tok/s on the default target -> results/bench-onnx.json"
 	@echo "make bench-real  the real pair: standalone, hub (auto, gamma 1, 2), centralized, prompt lookup,"
-	@echo "                 --concurrency 4 and 8, beside the model -> results/bench-real.json [QUICK=1: ~2 min]"
+	@echo "                 --concurrency 4 and 8, beside the model -> results/bench-real.json [QUICK=1: ~2 min;"
+	@echo "                 CHATS=16: the one-target modes over every held-out chat, not the first 3]"
 	@echo "make check-gpu   (NVIDIA GPU) onnxruntime CUDA/TensorRT vs torch -> results/gpu-backends.json;"
 	@echo "                 starsd profile of the SmolLM2 target and both drafters on cuda -> profiles/measured-cuda-*.json"
 	@echo "                 and starsd plan from them -> results/plan-cuda(-llm).json; the toy pair through a hub on"
@@ -144,7 +145,7 @@ bench-onnx: $(READY)
 	$(BIN)/python -m scripts.bench.onnx --out results/bench-onnx.json
 
 bench-real: $(READY)
-	$(BIN)/python -m scripts.bench.real $(BENCH_ARGS) $(if $(MODES),--modes $(MODES))
+	$(BIN)/python -m scripts.bench.real $(BENCH_ARGS) $(if $(MODES),--modes $(MODES)) $(if $(CHATS),--chats $(CHATS))
 
 check-gpu: $(READY)
 	$(BIN)/python -m scripts.bench.check_gpu_backends --out results/gpu-backends.json

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -218,3 +219,12 @@ def test_each_timed_draft_follows_a_sweep_of_the_machines_other_work() -> None:
     pairs = zip(timed[::2], timed[1::2], strict=True)
     assert timed and all(a == "sweep" and b.startswith("propose") for a, b in pairs)
     assert len(timed) == 2 * 2 * 3  # two sizes, a warm-up pass and two repeats, each swept
+
+
+def test_chats_of_the_one_target_modes_are_refused_at_the_flag_beyond_the_held_out_set() -> None:
+    """Catches a --chats past the held-out chats failing only after the models load (in
+    chat_rows, minutes into the run), and a --chats 0 that runs no one-target chat."""
+    assert real._chats(str(real.HELD_OUT)) == real.HELD_OUT
+    for bad in ("0", str(real.HELD_OUT + 1)):
+        with pytest.raises(argparse.ArgumentTypeError, match="--chats takes 1"):
+            real._chats(bad)

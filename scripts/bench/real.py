@@ -1,9 +1,12 @@
 """The real pair (SmolLM2-135M-Instruct + its draft) side by side in one run, beside the model.
 
-    python -m scripts.bench.real [--quick] [--repeats 2] [--out results/bench-real.json]
+    python -m scripts.bench.real [--quick] [--repeats 2] [--chats 3] [--out results/bench-real.json]
 
 Every mode runs once per repeat, the order rotated by one each repeat (this machine's speed
-drifts up to 3x within minutes), over held-out chat prompts, greedy:
+drifts up to 3x within minutes), over held-out chat prompts, greedy. The one-target modes run
+the first ``--chats`` of them (3 by default, to bound a full run; 16, every held-out chat, is
+the batched modes' workload too, and the held-out chats differ: the first 3 accept less than
+the 16 on average):
 
 * ``standalone``: ``edge.target --standalone`` (the baseline);
 * ``hub-auto``, ``hub-g1``, ``hub-g2``: one hub (``--gamma auto``) + one ``edge.target``, the
@@ -325,9 +328,9 @@ class Bench:
         return with_hub_figures(log, mode)
 
 
-def plan(b: Bench, quick: bool) -> dict[str, Mode]:
-    """Every mode of one repeat, by name."""
-    rows = chat_rows(2 if quick else 3)
+def plan(b: Bench, quick: bool, chats: int = 3) -> dict[str, Mode]:
+    """Every mode of one repeat, by name; the one-target modes over ``chats`` held-out chats."""
+    rows = chat_rows(2 if quick else chats)
     prompts = b.prompts(rows)
     modes: dict[str, Mode] = {
         "standalone": b.cli(rows, 1, "--standalone"),
@@ -514,9 +517,12 @@ def run(args: argparse.Namespace, procs: Processes, work: Path) -> dict[str, Any
             log_t, args_t = work / f"hub-{name}.log", [*e3_args, "--tree", tree_mode]
             hubs[name] = (start_hub(procs, str(EAGLE3), log_t, *HUB_ARGS, *args_t)[1], log_t)
     bench = Bench(hubs, work, tokens)
-    modes = selected(plan(bench, args.quick), args.modes.split(",") if args.modes else [])
+    asked = args.modes.split(",") if args.modes else []
+    modes = selected(plan(bench, args.quick, args.chats), asked)
     runs = medians(run_repeats(modes, repeats))
-    result = {"max_new_tokens": tokens, "repeats": repeats, **summarise(runs, args.quick)}
+    chats = 2 if args.quick else args.chats  # the one-target modes' held-out chats
+    result = {"max_new_tokens": tokens, "repeats": repeats, "chats": chats}
+    result |= summarise(runs, args.quick)
     sizes, cost_repeats = ((1,), 2) if args.quick else (COST_SIZES, 6)
     costs = real_costs.measure(bench.target, bench.proposer, sizes, CENTRAL_GAMMAS, cost_repeats)
     if bench.eagle3 is not None:
@@ -540,6 +546,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
+        "--chats",
+        type=_chats,
+        default=3,
+        help=f"held-out chats of the one-target modes (1..{HELD_OUT}; default 3)",
+    )
+    p.add_argument(
         "--modes",
         default="",
         help="comma-separated mode-name prefixes to run (e.g. hub-auto-c); their baselines and "
@@ -558,6 +570,14 @@ def main(argv: list[str] | None = None) -> None:
     plot(result, args.out.with_suffix(".png"))
     keys = ("ratios", "predicted", "predicted_batched", "identical", "tokens_per_round")
     print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
+
+
+def _chats(text: str) -> int:
+    """argparse type of --chats: 1 .. the held-out chats."""
+    count = int(text)
+    if not 1 <= count <= HELD_OUT:
+        raise argparse.ArgumentTypeError(f"--chats takes 1..{HELD_OUT}, got {count}")
+    return count
 
 
 if __name__ == "__main__":
