@@ -330,7 +330,7 @@ class Bench:
 
 def plan(b: Bench, quick: bool, chats: int = 3) -> dict[str, Mode]:
     """Every mode of one repeat, by name; the one-target modes over ``chats`` held-out chats."""
-    rows = chat_rows(2 if quick else chats)
+    rows = chat_rows(chats)
     prompts = b.prompts(rows)
     modes: dict[str, Mode] = {
         "standalone": b.cli(rows, 1, "--standalone"),
@@ -516,11 +516,11 @@ def run(args: argparse.Namespace, procs: Processes, work: Path) -> dict[str, Any
         for tree_mode, name in (("on", "e3-trees"), ("off", "e3-chains")):
             log_t, args_t = work / f"hub-{name}.log", [*e3_args, "--tree", tree_mode]
             hubs[name] = (start_hub(procs, str(EAGLE3), log_t, *HUB_ARGS, *args_t)[1], log_t)
+    chats = 2 if args.quick else args.chats  # the one-target modes' held-out chats
     bench = Bench(hubs, work, tokens)
     asked = args.modes.split(",") if args.modes else []
-    modes = selected(plan(bench, args.quick, args.chats), asked)
+    modes = selected(plan(bench, args.quick, chats), asked)
     runs = medians(run_repeats(modes, repeats))
-    chats = 2 if args.quick else args.chats  # the one-target modes' held-out chats
     result = {"max_new_tokens": tokens, "repeats": repeats, "chats": chats}
     result |= summarise(runs, args.quick)
     sizes, cost_repeats = ((1,), 2) if args.quick else (COST_SIZES, 6)
