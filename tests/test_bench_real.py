@@ -68,6 +68,17 @@ def test_a_batched_target_is_predicted_from_its_batched_costs_and_never_below_al
     assert real_costs.one_target_batched(compute_bound, {1: 0.5, 2: 1.0}, 8)["auto"] == 1.0
 
 
+def test_the_batched_model_prices_the_batched_modes_own_acceptance() -> None:
+    """Catches the model at --concurrency N fed the centralized loop's acceptance, measured on
+    fewer chats (another workload) than the batched modes run, where a fixed-gamma batched mode
+    measured its own; and a gamma with no batched mode left without any."""
+    central = {f"central-e3-g{g}": {"mean_accepted": 0.1 * g} for g in real.CENTRAL_GAMMAS}
+    batched = {"hub-e3-g2-c8": {"mean_accepted": 0.9}, "hub-e3-g1-c4": {"mean_accepted": 0.7}}
+    runs = central | batched
+    assert real.batched_acceptance(runs, 8) == {1: 0.1, 2: 0.9, 4: 0.4}
+    assert real.batched_acceptance(runs, 4) == {1: 0.7, 2: 0.2, 4: 0.4}
+
+
 def test_many_targets_on_one_hub_slow_down_only_once_the_hub_is_full() -> None:
     """Catches the N-target prediction ignoring the hub's load (each target predicted as if
     alone on the hub) or ignoring its batching (S(N) taken as N * S(1))."""
