@@ -341,7 +341,7 @@ class Bench:
         return with_hub_figures(log, mode)
 
 
-def plan(b: Bench, quick: bool, chats: int = 3) -> dict[str, Mode]:
+def plan(b: Bench, quick: bool, chats: int) -> dict[str, Mode]:
     """Every mode of one repeat, by name; the one-target modes over ``chats`` held-out chats."""
     rows = chat_rows(chats)
     prompts = b.prompts(rows)
