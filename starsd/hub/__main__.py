@@ -10,6 +10,7 @@ import signal
 
 from starsd import keys, limits, models, protocol, transport
 from starsd.hub import Hub, HubConfig, auth, build_hub, router
+from starsd.hub.config import QUANTIZE_MODES
 from starsd.hub.drafters import KINDS
 from starsd.hub.shapes import TREE_MODES
 
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     )
     p.add_argument("--max-gamma", type=int, default=HubConfig.max_gamma)
     p.add_argument("--device", default=HubConfig.device, help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default=HubConfig.dtype, choices=["float32", "float16", "bfloat16"])
+    _add_precision_args(p)
     p.add_argument(
         "--forward",
         default=HubConfig.forward,
@@ -156,6 +157,18 @@ def parse_args(argv: list[str] | None = None) -> HubConfig:
     if (config.curve_secret is None) != (config.allow_dir is None):
         p.error("--curve-secret and --allow-dir go together")
     return config
+
+
+def _add_precision_args(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--quantize``: the numbers the drafter computes in."""
+    p.add_argument("--dtype", default=HubConfig.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--quantize",
+        default=HubConfig.quantize,
+        choices=QUANTIZE_MODES,
+        help="an EAGLE head's projections in int8 weights (PyTorch's dynamic quantization; "
+        "its fc stays float32): auto (default) on a CPU in float32, none, or int8",
+    )
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:

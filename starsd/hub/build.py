@@ -132,6 +132,7 @@ def load_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
 def _eagle_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
     from starsd.hub.drafters import eagle3_head, eagle_head
     from starsd.hub.drafters.eagle import EagleProposer
+    from starsd.hub.drafters.quantize import quantize_linears
 
     target_dir = config.target or str(models.DEFAULT_TARGET_DIR)
     args = (config.model, target_dir, config.dtype, config.device)
@@ -140,6 +141,8 @@ def _eagle_proposer(config: HubConfig) -> tuple[Proposer, models.TokenizerInfo]:
         head = eagle3_head.load_eagle3_head(*args)
     else:
         head = eagle_head.load_eagle_head(*args)
+    if config.int8_head:
+        quantize_linears(head.head)
     info = models.load_tokenizer_info(target_dir)
     log.info(
         "%s head %s for target %s: features of width %d from its hidden states %s",

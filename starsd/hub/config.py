@@ -12,6 +12,7 @@ from starsd.limits import MAX_GAMMA, MAX_TREE_NODES
 from starsd.models import FORWARDS
 
 AUTO_START_GAMMA = 4  # --gamma auto: a session's first rounds, until its estimate has data
+QUANTIZE_MODES = ("auto", "none", "int8")  # --quantize
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class HubConfig:
     max_gamma: int = 16
     device: str = "cpu"
     dtype: str = "float32"
+    # an EAGLE head's projections in int8 (starsd/hub/drafters/quantize.py); auto: on a CPU in
+    # float32, where PyTorch's dynamic quantization runs
+    quantize: str = "auto"
     forward: str = "auto"  # auto: the plain-torch Llama forward where it applies; transformers
     max_sessions: int = 256
     max_sessions_per_target: int = 64
@@ -58,6 +62,7 @@ class HubConfig:
     def __post_init__(self) -> None:
         if (self.draft_kind == "emulated") != (self.draft_profile is not None):
             raise ValueError("draft_kind 'emulated' and draft_profile go together")
+        self._check_quantize()
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.forward not in FORWARDS:
@@ -84,6 +89,31 @@ class HubConfig:
             raise ValueError(
                 f"gamma must be 'auto' or an integer in 0..{self.max_gamma}, got {self.gamma!r}"
             )
+
+    def _check_quantize(self) -> None:
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}")
+        if self.quantize == "int8" and self.draft_kind not in ("eagle", "eagle3"):
+            raise ValueError(
+                f"--quantize int8 applies to EAGLE heads; draft kind {self.draft_kind!r} "
+                "drafts as loaded"
+            )
+        if self.quantize == "int8" and not self._int8_runs:
+            raise ValueError(
+                "--quantize int8 runs on a CPU in float32 (PyTorch's dynamic quantization); "
+                f"this hub drafts on {self.device} in {self.dtype}"
+            )
+
+    @property
+    def _int8_runs(self) -> bool:
+        return self.device.split(":")[0] == "cpu" and self.dtype == "float32"
+
+    @property
+    def int8_head(self) -> bool:
+        """Whether the EAGLE head's projections run in int8 (``--quantize``; auto: where
+        PyTorch's dynamic quantization runs)."""
+        eagle = self.draft_kind in ("eagle", "eagle3")
+        return self.quantize == "int8" or (self.quantize == "auto" and eagle and self._int8_runs)
 
     @property
     def tree_budget(self) -> int:
