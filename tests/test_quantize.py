@@ -102,8 +102,9 @@ def test_int8_is_refused_where_it_cannot_run(overrides: dict, why: str) -> None:
 
 
 def test_auto_stays_float_where_int8_cannot_run() -> None:
-    """Catches auto choosing int8 on a GPU or for a draft LLM (the hub would refuse to start
-    with its defaults there)."""
+    """Catches auto choosing int8 on a GPU or in half precision (the hub would hand a CUDA or
+    float16 head to PyTorch's dynamic quantization, which runs on CPUs in float32 only) or for a
+    draft LLM."""
     assert hub_module.HubConfig(model="m", draft_kind="eagle3").int8_head
     assert not hub_module.HubConfig(model="m", draft_kind="eagle3", device="cuda").int8_head
     assert not hub_module.HubConfig(model="m", draft_kind="eagle", dtype="float16").int8_head

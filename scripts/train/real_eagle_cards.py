@@ -112,7 +112,8 @@ def card(kind: str, report: dict[str, Any]) -> str:
             f"{report['data']['eval_prompts']} held-out",
             f"chat prompts x {cfg['new_tokens']} new tokens, each drafter in the hub's own "
             "proposer on the target's",
-            f"verifier, {threads(cfg.get('eval_threads', cfg['threads']))}:",
+            f"verifier, {threads(cfg.get('eval_threads', cfg['threads']))}, with the hub's "
+            "defaults (on a CPU: the head's projections in int8, `--quantize auto`):",
             "",
             *comparison_table(report["evaluation"]),
             "",
