@@ -50,6 +50,12 @@ def gpt2_pair(model_root: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def target_dir(llama_pair: tuple[Path, Path]) -> Path:
+    """The tiny Llama target's directory (the EAGLE heads' tests build heads for it)."""
+    return llama_pair[0]
+
+
+@pytest.fixture(scope="session")
 def llama_target(llama_pair: tuple[Path, Path]) -> models.LoadedModel:
     return models.load_causal_lm(llama_pair[0])
 

@@ -90,11 +90,6 @@ def write_head(
 
 
 @pytest.fixture(scope="module")
-def target_dir(llama_pair: tuple[Path, Path]) -> Path:
-    return llama_pair[0]
-
-
-@pytest.fixture(scope="module")
 def head_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_head(tmp_path_factory.mktemp("eagle"), target_dir, eagle_state(target_dir))
 

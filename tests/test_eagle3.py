@@ -167,11 +167,6 @@ def reference_logits(
     return _rms(out, s["norm.weight"], cfg["rms_norm_eps"]) @ s["lm_head.weight"].T
 
 
-@pytest.fixture(scope="module")
-def target_dir(llama_pair: tuple[Path, Path]) -> Path:
-    return llama_pair[0]
-
-
 def _features(target_dir: Path, ids: list[int], taps: tuple[int, ...] = LAYERS) -> torch.Tensor:
     """The target's features [n, 3H] at ``taps``, through transformers' own forward."""
     loaded = models.load_causal_lm(target_dir, lean=False)

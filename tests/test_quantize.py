@@ -20,11 +20,6 @@ REAL_TARGET = models.PAIRS["smollm2"][0]  # made by `make install`; its head is 
 
 
 @pytest.fixture(scope="module")
-def target_dir(llama_pair: tuple[Path, Path]) -> Path:
-    return llama_pair[0]
-
-
-@pytest.fixture(scope="module")
 def head_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_head(tmp_path_factory.mktemp("head"), target_dir, head_state(target_dir))
 
