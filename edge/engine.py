@@ -75,7 +75,7 @@ class Engine:
                     self.client, seq, self.gamma, self.batcher, self.fallback
                 )
         finally:
-            self.batcher.watch(seq, None)
+            self.batcher.release(seq)
         return seq
 
 

@@ -64,10 +64,14 @@ class Returns:
         a cohort would wait the whole window for it each time); returns how many."""
         gone = [tag for tag in self.round_trip.keys() | self.sent_at.keys() if not alive(tag)]
         for tag in gone:
-            self.sent_at.pop(tag, None)
-            self.round_trip.pop(tag, None)
-            self.cohort.pop(tag, None)
+            self.forget(tag)
         return len(gone)
+
+    def forget(self, tag: Hashable) -> None:
+        """``tag``'s session has ended: its request, if out, will not be answered."""
+        self.sent_at.pop(tag, None)
+        self.round_trip.pop(tag, None)
+        self.cohort.pop(tag, None)
 
     def arrived(self, tag: Hashable, at: float) -> tuple[Hashable, float] | None:
         """The next job of ``tag`` was queued at ``at``: learn its round trip. Returns (its
@@ -86,25 +90,33 @@ class Returns:
         self, now: float, window: float, arrivals: Iterable[tuple[Hashable, float] | None] = ()
     ) -> tuple[int, float]:
         """(sessions whose verdict is due within ``window`` and not overdue, the latest due
-        time among them). ``arrivals`` (what :meth:`arrived` returned for the answers just
-        taken): a request of one of their cohorts sent no later than that answer's is due
-        now (its latest due time: the window's end)."""
+        time among them); see :meth:`expected`."""
+        expected = self.expected(now, window, arrivals)
+        return len(expected), max([now, *expected.values()])
+
+    def expected(
+        self, now: float, window: float, arrivals: Iterable[tuple[Hashable, float] | None] = ()
+    ) -> dict[Hashable, float]:
+        """When each session whose verdict is due within ``window`` and not overdue is expected.
+        ``arrivals`` (what :meth:`arrived` returned for the answers just taken): a request of
+        one of their cohorts sent no later than that answer's is due now (expected by the
+        window's end)."""
         sent_by: dict[Hashable, float] = {}
         for arrival in arrivals:
             if arrival is not None:
                 cohort, sent = arrival
                 sent_by[cohort] = max(sent, sent_by.get(cohort, sent))
-        count, latest = 0, now
+        due: dict[Hashable, float] = {}
         for tag, sent in self.sent_at.items():
             cohort = self.cohort.get(tag)
             if cohort in sent_by and sent <= sent_by[cohort]:
-                count, latest = count + 1, now + window
+                due[tag] = now + window
                 continue
             r = self.round_trip.get(tag)
-            if r is None:
-                continue
-            expected = sent + r
-            if now - _LATE * r <= expected <= now + window:
-                count += 1
-                latest = max(latest, expected)
-        return count, latest
+            if r is not None and now - _LATE * r <= sent + r <= now + window:
+                due[tag] = sent + r
+        return due
+
+    def out(self, tag: Hashable) -> bool:
+        """Whether ``tag``'s request is out (sent, not yet answered)."""
+        return tag in self.sent_at

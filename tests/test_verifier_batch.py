@@ -361,6 +361,13 @@ async def test_a_sequences_forward_clocks_split_its_own_forwards_from_the_others
         assert 0.0 < others <= whole - 0.015 and own == 0.0
 
 
+async def _learn_round_trip(batcher: Batcher, seq: TargetSequence, r: float) -> None:
+    """``seq``'s proposals come back ``r`` seconds after its DRAFT; its DRAFT is out now."""
+    await batcher.verify(seq, [], None)
+    await asyncio.sleep(r)
+    await batcher.verify(seq, [], None)
+
+
 @pytest.mark.parametrize("gather", [True, False])
 async def test_a_proposal_due_shortly_joins_the_forward(
     backend: TorchBackend, gather: bool
@@ -372,12 +379,9 @@ async def test_a_proposal_due_shortly_joins_the_forward(
     overdue one is not."""
     async with Batcher(backend, max_batch=8, gather=gather) as batcher:
         a, b, late = (TargetSequence(backend, p, GREEDY, 50) for p in PROMPTS[:3])
-        await batcher.verify(late, [], None)  # (late's next proposal will never come)
-        await asyncio.sleep(0.02)
-        await batcher.verify(late, [], None)
-        await batcher.verify(a, [], None)  # A's DRAFT goes out ...
-        await asyncio.sleep(0.02)
-        await batcher.verify(a, [], None)  # ... and its proposal comes back 20 ms later: R_A
+        await _learn_round_trip(batcher, late, 0.02)  # (its next proposal will never come)
+        await asyncio.sleep(0.02)  # ... and is overdue before B's forward is gathered
+        await _learn_round_trip(batcher, a, 0.02)  # A's proposals come back 20 ms later
         batcher.forward_s = 0.5  # the window: generous, so a slow machine cannot flake
         forwards = batcher.stats.forwards
         started = asyncio.get_running_loop().time()
@@ -388,6 +392,54 @@ async def test_a_proposal_due_shortly_joins_the_forward(
         took = asyncio.get_running_loop().time() - started
     assert batcher.stats.forwards - forwards == (1 if gather else 2)
     assert took < 0.4  # late (overdue after 0.25 R) was not waited for: not the whole window
+
+
+async def test_a_due_proposal_running_late_still_joins_the_forward(backend: TorchBackend) -> None:
+    """Catches a batcher that stops waiting for a due proposal once it runs later than its
+    round trip predicts (the wait ended 1 ms after the latest predicted return): a hub's
+    round trips spread by more than that, and a forward started without the late proposal
+    costs its sequence the whole forward, after which the batch splits into groups that take
+    turns (measured at --concurrency 8 through a hub: 5.7 rows a forward, and 6.2 once late
+    proposals were waited for)."""
+    async with Batcher(backend, max_batch=8) as batcher:
+        a, b = (TargetSequence(backend, p, GREEDY, 50) for p in PROMPTS[:2])
+        await _learn_round_trip(batcher, a, 0.02)
+        batcher.forward_s = 0.5  # the window: generous, so a slow machine cannot flake
+        forwards = batcher.stats.forwards
+        b_done = asyncio.ensure_future(batcher.verify(b, [], None))
+        await asyncio.sleep(0.06)  # A's proposal comes back 40 ms later than its R says
+        await asyncio.gather(b_done, batcher.verify(a, [], None))
+    assert batcher.stats.forwards - forwards == 1
+
+
+async def test_a_due_proposal_that_never_comes_holds_a_forward_one_window_at_most(
+    backend: TorchBackend,
+) -> None:
+    """Catches a wait for a due proposal with no end (a hub that stopped answering would stop
+    the target's other sequences) and one that does not wait at all."""
+    async with Batcher(backend, max_batch=8) as batcher:
+        a, b = (TargetSequence(backend, p, GREEDY, 50) for p in PROMPTS[:2])
+        await _learn_round_trip(batcher, a, 0.02)  # A's next proposal never comes
+        batcher.forward_s = 0.1
+        started = asyncio.get_running_loop().time()
+        await batcher.verify(b, [], None)
+        took = asyncio.get_running_loop().time() - started
+    assert 0.09 <= took < 1.0
+
+
+async def test_a_released_sequences_proposal_is_not_waited_for(backend: TorchBackend) -> None:
+    """Catches a batcher that still waits for the proposal of a sequence that ended or was
+    cancelled with its DRAFT out (a client gone mid-request): the window, at every forward
+    until that proposal would have been overdue."""
+    async with Batcher(backend, max_batch=8) as batcher:
+        a, b = (TargetSequence(backend, p, GREEDY, 50) for p in PROMPTS[:2])
+        await _learn_round_trip(batcher, a, 0.02)
+        batcher.release(a)
+        batcher.forward_s = 0.5
+        started = asyncio.get_running_loop().time()
+        await batcher.verify(b, [], None)
+        took = asyncio.get_running_loop().time() - started
+    assert took < 0.4
 
 
 async def test_a_bad_or_cancelled_sequence_does_not_disturb_its_batch_mates(
