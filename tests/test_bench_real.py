@@ -68,6 +68,47 @@ def test_a_batched_target_is_predicted_from_its_batched_costs_and_never_below_al
     assert real_costs.one_target_batched(compute_bound, {1: 0.5, 2: 1.0}, 8)["auto"] == 1.0
 
 
+def test_a_cost_is_read_between_the_measured_row_counts() -> None:
+    """Catches a stream's forward of 6 rows priced at 8 rows' or 4 rows' cost (not between),
+    or a count outside the measured ones extrapolated (a line through 3 and 4 rows' costs
+    read 0 or less at one row on this CPU)."""
+    table = {"1": 50.0, "4": 80.0, "8": 120.0}
+    assert real_costs.at_rows(table, 6) == pytest.approx(100.0)
+    assert real_costs.at_rows(table, 2) == pytest.approx(60.0)
+    assert real_costs.at_rows(table, 4) == 80.0
+    assert real_costs.at_rows(table, 16) == 120.0 and real_costs.at_rows({"3": 7.0}, 1) == 7.0
+
+
+def test_a_stream_of_full_batches_is_predicted_as_full_batches() -> None:
+    """Catches the stream model drifting from the full-batch one where the stream is full
+    batches throughout (16 requests of 6 tokens, 8 at a time): a forward priced at the wrong
+    rows, E[L] not committed to every row, or a slot not refilled when its request ends."""
+    costs = _costs(100.0, {1: 110.0}, {1: 5.0})
+    costs["step_ms"] = {"1": 50.0, "3": 70.0, "4": 80.0, "8": 400.0}  # only 8 rows are run
+    alone_s = 2 * 6 * 0.400  # two waves of 8, 6 steps each
+    stream = real_costs.one_target_stream(costs, {1: 0.5}, 8, [6] * 16, alone_s)
+    full = real_costs.one_target_batched(costs, {1: 0.5}, 8)
+    assert stream["g1"] == pytest.approx(full["g1"]) == pytest.approx(1.5 * 400.0 / 115.0)
+
+
+def test_a_streams_tail_and_prefills_are_priced_as_the_stream_ran_them() -> None:
+    """Catches a stream's last forwards (fewer rows open, where this CPU's verification costs
+    up to 2x a step against 1.09x at 8) priced at a full batch's ratio, and the target
+    alone's time beyond its decoding (its prefills) left out of either side (both pay it), and
+    an ended request's slot left empty until its whole wave ends."""
+    costs = _costs(100.0, {1: 200.0}, {1: 0.0})  # at 1 row a round costs 2 steps ...
+    costs["verify_ms"]["8"]["1"] = 100.0  # ... at 8 rows one
+    # 8 rows throughout while the 7 short requests' slots are taken by 7 of 8 tokens, then the
+    # long one alone for its last 4 tokens
+    lengths = [4] * 7 + [16] + [8] * 7
+    alone_ms = (4 + 8) * 100.0 + 4 * 100.0
+    hub_ms = (2 + 4) * 100.0 + 2 * 200.0  # E[L] 2 (a mean of 1 accepted at gamma 1)
+    pred = real_costs.one_target_stream(costs, {1: 1.0}, 8, lengths, alone_ms / 1e3)
+    assert pred["g1"] == pytest.approx(alone_ms / hub_ms, rel=1e-6)
+    prefilled = real_costs.one_target_stream(costs, {1: 1.0}, 8, lengths, alone_ms / 1e3 + 0.6)
+    assert prefilled["g1"] == pytest.approx((alone_ms + 600.0) / (hub_ms + 600.0), rel=1e-6)
+
+
 def test_the_batched_model_prices_the_batched_modes_own_acceptance() -> None:
     """Catches the model at --concurrency N fed the centralized loop's acceptance, measured on
     fewer chats (another workload) than the batched modes run, where a fixed-gamma batched mode
@@ -113,6 +154,36 @@ def test_each_plotted_mode_gets_the_prediction_of_its_own_load() -> None:
     assert predicted_for(result, "hub-e3-g2-c8") == 1.35  # each fixed gamma its own
     assert math.isnan(predicted_for(result, "hub-e3-auto-c4"))
     assert math.isnan(predicted_for(result, "prompt-lookup"))
+    result["predicted_stream"] = {"e3-c8": {"g2": 1.2}}  # over the stream the mode ran
+    assert predicted_for(result, "hub-e3-g2-c8", stream=True) == 1.2
+    assert math.isnan(predicted_for(result, "hub-g2", stream=True))  # one target: no stream
+    assert math.isnan(predicted_for(result, "hub-3t", stream=True))
+
+
+def test_the_stream_model_runs_on_each_batched_baselines_own_stream() -> None:
+    """Catches the stream model fed another concurrency's requests or time alone, or the
+    centralized loop's acceptance where the batched mode measured its own."""
+    costs = _costs(
+        100.0, {g: 110.0 for g in real.CENTRAL_GAMMAS}, dict.fromkeys(real.CENTRAL_GAMMAS, 5.0)
+    )
+    costs["draft_ms_e3"] = costs["draft_ms"]
+    central = {
+        f"central{d}-g{g}": {"mean_accepted": 0.5} for d in ("", "-e3") for g in real.CENTRAL_GAMMAS
+    }
+    runs = central | {
+        "standalone-c8": {"tokens": 96, "tokens_per_s": 10.0, "lengths": [6] * 16},
+        "standalone-c4": {"tokens": 12, "tokens_per_s": 20.0, "lengths": [3] * 4},
+        "hub-e3-g1-c8": {"mean_accepted": 1.0},
+    }
+    out = real.stream_predictions(runs, costs)
+    for key, lengths, alone_s, accepted in [
+        ("c8", [6] * 16, 9.6, 0.5),
+        ("e3-c8", [6] * 16, 9.6, 1.0),
+        ("e3-c4", [3] * 4, 0.6, 0.5),
+    ]:
+        n = int(key[-1])
+        own = real_costs.one_target_stream(costs, {1: accepted}, n, lengths, alone_s)["g1"]
+        assert out[key]["g1"] == pytest.approx(own)
 
 
 def test_a_subset_of_modes_keeps_its_baselines_and_the_models_inputs() -> None:
@@ -239,3 +310,17 @@ def test_chats_of_the_one_target_modes_are_refused_at_the_flag_beyond_the_held_o
     for bad in ("0", str(real.HELD_OUT + 1)):
         with pytest.raises(argparse.ArgumentTypeError, match="--chats takes 1"):
             real._chats(bad)
+
+
+def test_a_runs_lengths_reach_the_stream_model(tmp_path: Path) -> None:
+    """Catches the requests' lengths dropped on the way from a target's --out file to the
+    summary (the repeats' medians keep numbers only): the stream model would silently be
+    left out of the result."""
+    stats = {"tokens_per_s": 10.0, "rounds": 2, "accepted": 1, "alone_steps": 0}
+    out = tmp_path / "t-out.jsonl"
+    rows = [{"token_ids": [1] * n, "stats": stats} for n in (3, 5)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = real.target_result(out, wall_s=0.8)
+    assert run["lengths"] == [3, 5] and run["tokens_per_s"] == pytest.approx(10.0)
+    kept = real.medians({"standalone-c8": [run, run]})["standalone-c8"]
+    assert kept["lengths"] == [3, 5] and kept["ids"] == run["ids"]

@@ -37,7 +37,11 @@ tokens per round over the round's time (S(1, g) + the verify, the link left out)
 costs and the acceptance the centralized loop measured in the same run; for ``--gamma auto``
 the best of decoding alone and every measured gamma. The batched modes' predictions come from
 T(B), V(B, g) and S(B, g) measured after the repeats (``scripts.bench.real_costs``) and, for the
-head, the acceptance its fixed-gamma batched modes measured over their stream. The hub's
+head, the acceptance its fixed-gamma batched modes measured over their stream: full batches
+throughout (``predicted_batched``), and the same costs over the stream the mode ran
+(``predicted_stream``: its forwards at the rows still open, the target alone's prefills added
+to both sides; ``real_costs.one_target_stream``), which names what the stream's first and last
+forwards cost against full batches. The hub's
 log (stats every second) gives each hub mode's pre-draft hit and taken rates. Bytes per round
 are the encoded PROPOSAL's size, greedy and sampled (top-k 50: q over the support only).
 """
@@ -127,6 +131,7 @@ def target_result(path: Path, wall_s: float | None = None) -> dict:
         "mean_accepted": sum(r["stats"]["accepted"] for r in results) / max(rounds, 1),
         "alone_steps": sum(r["stats"]["alone_steps"] for r in results),
         "ids": [r["token_ids"] for r in results],
+        "lengths": [len(r["token_ids"]) for r in results],  # (kept in the JSON, the ids not)
     }
 
 
@@ -300,6 +305,26 @@ def batched_predictions(runs: dict[str, dict], costs: dict[str, Any]) -> dict[st
     return out
 
 
+def stream_predictions(runs: dict[str, dict], costs: dict[str, Any]) -> dict[str, dict]:
+    """The model at --concurrency N over the stream each batched mode ran (its requests'
+    lengths and the target alone's time from the baseline run): ``real_costs.one_target_stream``
+    per drafter, beside the full-batch figures of :func:`batched_predictions`."""
+    out = {}
+    for n in CONCURRENCIES:
+        base = runs.get(f"standalone-c{n}", {})
+        if "lengths" not in base:
+            continue
+        alone_s = base["tokens"] / base["tokens_per_s"]
+        accepted = {g: runs[f"central-g{g}"]["mean_accepted"] for g in CENTRAL_GAMMAS}
+        stream = (costs, accepted, n, base["lengths"], alone_s)
+        out[f"c{n}"] = real_costs.one_target_stream(*stream)
+        if "draft_ms_e3" in costs and "central-e3-g1" in runs:
+            head = {**costs, "draft_ms": costs["draft_ms_e3"]}
+            stream = (head, batched_acceptance(runs, n), n, base["lengths"], alone_s)
+            out[f"e3-c{n}"] = real_costs.one_target_stream(*stream)
+    return out
+
+
 def batched_acceptance(runs: dict[str, dict], n: int) -> dict[int, float]:
     """The EAGLE-3 head's accepted drafts a round per gamma at ``--concurrency n``: the fixed-gamma
     mode's own where the run has it, else the centralized loop's. Why: the batched modes run
@@ -437,13 +462,13 @@ def run_repeats(modes: dict[str, Mode], repeats: int) -> dict[str, list[dict]]:
 
 
 def medians(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per mode: the median of every numeric figure over the repeats, the first run's ids."""
+    """Per mode: the median of every numeric figure over the repeats, the first run's ids and
+    lengths (greedy: every repeat's alike)."""
     out = {}
     for name, reps in runs.items():
         keys = [k for k, v in reps[0].items() if isinstance(v, int | float)]
         out[name] = {k: statistics.median(rep[k] for rep in reps) for k in keys}
-        if "ids" in reps[0]:
-            out[name]["ids"] = reps[0]["ids"]
+        out[name] |= {k: reps[0][k] for k in ("ids", "lengths") if k in reps[0]}
     return out
 
 
@@ -482,9 +507,13 @@ def summarise(runs: dict[str, dict], quick: bool) -> dict[str, Any]:
     }
 
 
-def predicted_for(result: dict[str, Any], mode: str) -> float:
-    """The model's speedup beside ``mode`` (NaN where it has none)."""
+def predicted_for(result: dict[str, Any], mode: str, stream: bool = False) -> float:
+    """The model's speedup beside ``mode`` (NaN where it has none); ``stream``: at
+    --concurrency N, over the stream the mode ran (``predicted_stream``) instead of full
+    batches throughout."""
     pred, batched = result["predicted"], result.get("predicted_batched", {})
+    if stream:
+        pred, batched = {}, result.get("predicted_stream", {})
     key = mode.removeprefix("hub-").removeprefix("central-")
     if key in pred:
         return pred[key]
@@ -507,13 +536,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     names = [n for n in result["ratios"] if n != "standalone-inproc"]
     fig, ax = plt.subplots(figsize=(10, 4))
     x = np.arange(len(names))
-    ax.bar(x - 0.2, [result["ratios"][n] for n in names], 0.4, label="measured")
-    ax.bar(x + 0.2, [predicted_for(result, n) for n in names], 0.4, label="analytic model")
+    ax.bar(x - 0.27, [result["ratios"][n] for n in names], 0.27, label="measured")
+    ax.bar(x, [predicted_for(result, n) for n in names], 0.27, label="analytic model")
+    streams = [predicted_for(result, n, stream=True) for n in names]
+    ax.bar(x + 0.27, streams, 0.27, label="the model over the stream run (-cN)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(x, names, rotation=30, ha="right")
     ax.set_ylabel("x the target alone (-cN, -3t: at the same load)")
     ax.set_title("SmolLM2-135M-Instruct + its draft, greedy chat, this 2-core CPU")
-    ax.legend()
+    ax.set_ylim(0, 1.3 * max([1.0, *(b.get_height() for b in ax.patches if b.get_height() > 0)]))
+    ax.legend(loc="upper left", ncol=3)  # (above the bars: the headroom of set_ylim)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -544,6 +576,7 @@ def run(args: argparse.Namespace, procs: Processes, work: Path) -> dict[str, Any
         )
     if not args.quick:
         result["predicted_batched"] = batched_predictions(runs, costs)
+        result["predicted_stream"] = stream_predictions(runs, costs)
     result["costs"] = costs
     result["proposal_bytes"] = {
         g: proposal_bytes(g, bench.target.vocab_size, 50) for g in (1, 2, 4)
@@ -581,7 +614,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
-    keys = ("ratios", "predicted", "predicted_batched", "identical", "tokens_per_round")
+    keys = ("ratios", "predicted", "predicted_batched", "predicted_stream", "identical")
+    keys += ("tokens_per_round",)
     print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
 
 

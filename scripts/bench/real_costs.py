@@ -17,6 +17,13 @@ Predictions, each a speedup over the target alone at the same concurrency:
 * one target with N sequences (``--concurrency N``): its N sequences verified as one batch and
   drafted as one batch, in series: E[L] T(N) / (S(N, g) + V(N, g)); ``--gamma auto`` the best
   of that over the measured gammas and decoding alone (1.0);
+* the same target serving a stream (``--concurrency N`` over more requests than N, each
+  request's slot taken by the next as it ends): its decoding simulated forward by forward at the
+  rows still open (a stream's first and last forwards carry fewer than N, and this CPU's costs
+  are no line in the rows: a verification of 3 positions costs 2.0x a step at 3 rows, 1.09x at
+  8), the costs between the measured sizes interpolated, each forward committing E[L] tokens a
+  row (1 alone); what the target alone spent beyond its simulated decoding (the prompts'
+  prefills) is added to both sides (``one_target_stream``);
 * N targets of one sequence each on one hub: ``starsd.analytic.predict`` with S(B, g) from the
   measured draft costs (the hub batches the jobs that wait together), each target on hardware
   of its own: per target, the tokens per round over T_gamma against E[L] = 1 per T(1).
@@ -26,6 +33,7 @@ E[L] comes from alpha, inverted from the centralized loop's mean accepted drafts
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -142,6 +150,60 @@ def one_target_batched(costs: dict[str, Any], accepted: dict[int, float], n: int
         for g, a in accepted.items()
     }
     return {f"g{g}": r for g, r in per_gamma.items()} | {"auto": max(1.0, *per_gamma.values())}
+
+
+def at_rows(table: dict[str, float], rows: int) -> float:
+    """A cost measured at some row counts (``table``: str(B) -> ms), read at ``rows``: linear
+    between the two measured sizes around it, the nearest measured one outside them."""
+    points = sorted((int(b), ms) for b, ms in table.items())
+    if rows <= points[0][0]:
+        return points[0][1]
+    for (b0, ms0), (b1, ms1) in itertools.pairwise(points):
+        if rows <= b1:
+            return ms0 + (ms1 - ms0) * (rows - b0) / (b1 - b0)
+    return points[-1][1]
+
+
+def stream_ms(
+    lengths: Sequence[int], slots: int, forward_ms: Callable[[int], float], per_row: float
+) -> float:
+    """Milliseconds of decoding requests of ``lengths`` tokens in order, at most ``slots`` at
+    once (an ended request's slot taken by the next): each forward of ``rows`` open requests
+    costs ``forward_ms(rows)`` and commits ``per_row`` tokens to each (fluid: the last forward
+    of a request is a whole one)."""
+    waiting, left, spent = list(lengths), [], 0.0
+    while waiting or left:
+        while waiting and len(left) < slots:
+            left.append(float(waiting.pop(0)))
+        spent += forward_ms(len(left))
+        left = [n - per_row for n in left if n - per_row > 1e-6]  # (E[L] is inexact)
+    return spent
+
+
+def one_target_stream(
+    costs: dict[str, Any],
+    accepted: dict[int, float],
+    n: int,
+    lengths: Sequence[int],
+    alone_s: float,
+) -> dict:
+    """Speedup of one target at ``--concurrency n`` over the stream of requests of ``lengths``
+    tokens per gamma, and auto's: both sides decoded forward by forward at the rows still open
+    (module docstring), plus what the target alone (``alone_s`` in all) spent beyond its
+    simulated decoding: its prefills, the same through a hub."""
+    alone_ms = stream_ms(lengths, n, lambda rows: at_rows(costs["step_ms"], rows), 1.0)
+    outside_ms = max(1e3 * alone_s - alone_ms, 0.0)
+    out = {}
+    for g, a in accepted.items():
+        draft = {b: ms[str(g)] for b, ms in costs["draft_ms"].items()}
+        verify = {b: ms[str(g)] for b, ms in costs["verify_ms"].items()}
+
+        def round_ms(rows: int, draft: dict = draft, verify: dict = verify) -> float:
+            return at_rows(draft, rows) + at_rows(verify, rows)
+
+        spent = stream_ms(lengths, n, round_ms, expected_tokens(a, g))
+        out[f"g{g}"] = (alone_ms + outside_ms) / (spent + outside_ms)
+    return out | {"auto": max(1.0, *out.values())}
 
 
 def many_targets(costs: dict[str, Any], accepted: dict[int, float], n: int) -> dict:
