@@ -82,7 +82,7 @@ def test_a_cost_is_read_between_the_measured_row_counts() -> None:
 def test_a_stream_of_full_batches_is_predicted_as_full_batches() -> None:
     """Catches the stream model drifting from the full-batch one where the stream is full
     batches throughout (16 requests of 6 tokens, 8 at a time): a forward priced at the wrong
-    rows, E[L] not committed to every row, or a slot not refilled when its request ends."""
+    rows, or E[L] not committed to every row."""
     costs = _costs(100.0, {1: 110.0}, {1: 5.0})
     costs["step_ms"] = {"1": 50.0, "3": 70.0, "4": 80.0, "8": 400.0}  # only 8 rows are run
     alone_s = 2 * 6 * 0.400  # two waves of 8, 6 steps each
